@@ -1,0 +1,20 @@
+"""overlap: hide the collective that follows a matmul behind the matmul itself.
+
+``import overlap`` works without a GPU, Triton's GPU backend, CuPy or cuda-python: kernels and
+optional backends are imported on first use.
+"""
+
+from .api import matmul_all_to_all, matmul_allreduce, matmul_collective, matmul_reduce_scatter, plan
+from .plan import COLLECTIVES, OPS, Plan
+
+__all__ = [
+    "COLLECTIVES",
+    "OPS",
+    "Plan",
+    "matmul_all_to_all",
+    "matmul_allreduce",
+    "matmul_collective",
+    "matmul_reduce_scatter",
+    "plan",
+]
+__version__ = "0.1.0"

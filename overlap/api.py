@@ -1,0 +1,316 @@
+"""Public API: a matmul whose collective starts while the matmul is still running.
+
+Shapes (R = world size of ``group``; ``x`` is ``[..., K]`` and ``M`` is the product of its leading
+dims; ``w`` is ``[K, N]``, any strides):
+
+================  =======================  ====================================================
+collective        result                   equals
+================  =======================  ====================================================
+all_reduce        ``[..., N]``             ``dist.all_reduce(x @ w)``
+reduce_scatter    ``[M / R, N]``           ``dist.reduce_scatter_tensor(out, (x @ w).view(M, N))``
+all_to_all        ``[..., N]``             ``dist.all_to_all_single(out, x @ w)``: row block
+                                           ``j`` of ``M / R`` rows goes to rank ``j``
+================  =======================  ====================================================
+
+Hazards: state (counters, the communication stream) is kept per (group, device, caller stream),
+so calls on different streams never share counters; calls on one stream are serialized by that
+stream. The Triton interpreter is used for CPU tensors only when ``TRITON_INTERPRET=1`` is set
+before ``overlap`` first launches a kernel (Triton reads it when the kernel is defined).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from .comm import BACKENDS, make_comm, run_chunks
+from .plan import COLLECTIVES, OPS, Plan, make_plan
+from .signal import ChunkCounters, wait_counter
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _interpreter() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _world(group: dist.ProcessGroup | None) -> int:
+    if group is None and not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(group)
+
+
+def _check(x: torch.Tensor, w: torch.Tensor, collective: str, op: str, backend: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if not isinstance(w, torch.Tensor):
+        raise TypeError(f"w must be a torch.Tensor, got {type(w).__name__}")
+    if collective not in COLLECTIVES:
+        raise ValueError(f"collective must be one of {COLLECTIVES}, got {collective!r}")
+    if op not in OPS:
+        raise ValueError(f"op must be one of {OPS}, got {op!r}")
+    if op != "sum" and collective == "all_to_all":
+        raise ValueError(f"op={op!r} needs a reduction; all_to_all only moves data")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if w.dim() != 2:
+        raise ValueError(f"w must be 2-D [K, N], got shape {tuple(w.shape)}")
+    if x.dim() < 1:
+        raise ValueError("x must have at least one dimension [..., K]")
+    if x.dtype not in _DTYPES:
+        raise TypeError(f"x.dtype must be one of {_DTYPES}, got {x.dtype}")
+    if w.dtype != x.dtype:
+        raise TypeError(f"w.dtype ({w.dtype}) must equal x.dtype ({x.dtype})")
+    if w.device != x.device:
+        raise ValueError(f"w is on {w.device} but x is on {x.device}")
+    if x.shape[-1] != w.shape[0]:
+        raise ValueError(f"K mismatch: x is {tuple(x.shape)} ([..., K]), w is {tuple(w.shape)} "
+                         "([K, N])")
+
+
+def plan(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    collective: str = "all_reduce",
+    *,
+    group: dist.ProcessGroup | None = None,
+    chunks: int | None = None,
+) -> Plan:
+    """The plan a call with these arguments takes: ``path`` ("overlap" or "fallback"), the
+    chunks, tiles and ``reason``; ``plan(...).describe()`` prints it.
+
+    Args:
+        x: ``[..., K]``. w: ``[K, N]``. collective, group, chunks: as in ``matmul_collective``.
+
+    Raises:
+        ValueError, TypeError: on invalid arguments (the same checks as the call).
+    """
+    _check(x, w, collective, "sum", "torch")
+    M, K, N = math.prod(x.shape[:-1]), x.shape[-1], w.shape[1]
+    R = _world(group)
+    p = make_plan(
+        M, N, K, world_size=R, collective=collective, dtype_bits=x.element_size() * 8,
+        interpreter=not x.is_cuda, num_sms=_num_sms(x.device), chunks=chunks,
+    )
+    if p.path == "overlap" and not x.is_cuda and not _interpreter():
+        return Plan("fallback", "CPU tensors and TRITON_INTERPRET is not 1", collective,
+                    M, N, K, R)
+    return p
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@dataclass
+class _Context:
+    """Per (group, device, caller stream) state, reused across calls."""
+
+    group: dist.ProcessGroup | None
+    counters: ChunkCounters
+    comm_stream: torch.cuda.Stream | None
+    comms: dict = field(default_factory=dict)
+
+    def comm(self, backend: str):
+        if backend not in self.comms:
+            self.comms[backend] = make_comm(backend, self.group)
+        return self.comms[backend]
+
+
+_contexts: dict[tuple, _Context] = {}
+
+
+def _context(group: dist.ProcessGroup | None, device: torch.device) -> _Context:
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (group, str(device), stream)
+    ctx = _contexts.get(key)
+    if ctx is None:
+        comm_stream = None
+        if device.type == "cuda":
+            _, highest = torch.cuda.Stream.priority_range()
+            comm_stream = torch.cuda.Stream(device, priority=highest)
+        ctx = _Context(group, ChunkCounters(device), comm_stream)
+        _contexts[key] = ctx
+    return ctx
+
+
+def _result_shape(x: torch.Tensor, N: int, collective: str, R: int) -> tuple[int, ...]:
+    if collective == "reduce_scatter":
+        return (math.prod(x.shape[:-1]) // R, N)
+    return (*x.shape[:-1], N)
+
+
+def _check_out(out: torch.Tensor, shape: tuple[int, ...], x: torch.Tensor) -> None:
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+    if out.dtype != x.dtype:
+        raise TypeError(f"out.dtype ({out.dtype}) must equal x.dtype ({x.dtype})")
+    if out.device != x.device:
+        raise ValueError(f"out is on {out.device} but x is on {x.device}")
+    if tuple(out.shape) != shape:
+        raise ValueError(f"out must have shape {shape}, got {tuple(out.shape)}")
+    if not out.is_contiguous():
+        raise ValueError("out must be contiguous")
+
+
+def matmul_collective(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    collective: str = "all_reduce",
+    *,
+    group: dist.ProcessGroup | None = None,
+    op: str = "sum",
+    out: torch.Tensor | None = None,
+    backend: str = "torch",
+    chunks: int | None = None,
+) -> torch.Tensor:
+    """``x @ w`` followed by ``collective`` over ``group``, overlapped chunk by chunk.
+
+    Args:
+        x: ``[..., K]`` fp16, bf16 or fp32; leading dims are flattened into ``M``.
+        w: ``[K, N]``, same dtype and device, any strides (``linear.weight.t()`` is fine).
+        collective: "all_reduce", "reduce_scatter" or "all_to_all" (module docstring: shapes).
+        group: process group; ``None`` is the default group (or world size 1 if
+            ``torch.distributed`` is not initialized).
+        op: "sum" or "avg" (reductions only; "avg" divides the product by R before the sum).
+        out: optional contiguous result tensor of the result's shape, dtype and device.
+        backend: "torch" (the group's own NCCL/gloo) or "cupy" (a direct NCCL communicator
+            created once from the group).
+        chunks: about how many chunks to use (default: the planner's choice).
+
+    Returns:
+        The result in the plain torch call's layout: ``[..., N]``, or ``[M / R, N]`` for
+        reduce-scatter.
+
+    Raises:
+        TypeError: wrong dtype or type of ``x``, ``w`` or ``out``.
+        ValueError: shape or device mismatch, unknown collective/op/backend, ``M`` not
+            divisible by R for reduce-scatter and all-to-all.
+    """
+    _check(x, w, collective, op, backend)
+    p = plan(x, w, collective, group=group, chunks=chunks)
+    R, M, N = p.world_size, p.M, p.N
+    shape = _result_shape(x, N, collective, R)
+    if out is None:
+        out = torch.empty(shape, dtype=x.dtype, device=x.device)
+    else:
+        _check_out(out, shape, x)
+    x2 = x.reshape(M, p.K)
+    out2 = out.view(-1, N)
+    scale = 1.0 / R if op == "avg" and R > 1 else None
+    if p.path != "overlap":
+        _plain(x2, w, out2, p, scale, group)
+        return out
+
+    from .gemm import chunked_matmul  # Triton: imported on first use
+
+    ctx = _context(group, x.device)
+    comm = ctx.comm(backend)
+    in_place = p.n_col_bands == 1
+    if collective == "all_reduce" and in_place:
+        p_flat = out2.view(-1)  # row bands of the standard layout are already contiguous
+    else:
+        p_flat = torch.empty(M * N, dtype=x.dtype, device=x.device)
+    recv_flat = None
+    if collective != "all_reduce" and not in_place:
+        recv_flat = torch.empty(out2.numel(), dtype=x.dtype, device=x.device)
+    targets = ctx.counters.targets(p.tiles_per_chunk)
+    counters = ctx.counters.tensor
+    s = ctx.comm_stream
+    if s is None:  # CPU: the interpreter runs the kernel to completion, then gloo collectives
+        chunked_matmul(x2, w, p_flat, counters, p, scale)
+        ctx.counters.commit(targets)
+        run_chunks(p, comm, p_flat, out2, recv_flat,
+                   lambda c: wait_counter(counters[c : c + 1], targets[c], None))
+        return out
+    caller = torch.cuda.current_stream(x.device)
+    s.wait_stream(caller)  # buffers and inputs are ready before the comm stream touches them
+    chunked_matmul(x2, w, p_flat, counters, p, scale)
+    ctx.counters.commit(targets)
+    with torch.cuda.stream(s):
+        run_chunks(p, comm, p_flat, out2, recv_flat,
+                   lambda c: wait_counter(counters[c : c + 1], targets[c], s))
+    # The caller stream continues after the last collective; buffers allocated on it are
+    # therefore free to reuse once this call's work on `s` is done.
+    caller.wait_stream(s)
+    return out
+
+
+def _plain(
+    x2: torch.Tensor,
+    w: torch.Tensor,
+    out2: torch.Tensor,
+    p: Plan,
+    scale: float | None,
+    group: dist.ProcessGroup | None,
+) -> None:
+    """The sequential path: matmul, then one collective on the whole product."""
+    if p.collective == "all_reduce" or p.world_size == 1:
+        y = torch.matmul(x2, w, out=out2)
+    else:
+        y = x2 @ w  # reduce-scatter and all-to-all cannot run in place
+    if scale is not None:
+        y.mul_(scale)
+    if p.world_size == 1:
+        return
+    comm = make_comm("torch", group)
+    if p.collective == "all_reduce":
+        comm.all_reduce(out2)
+    elif p.collective == "reduce_scatter":
+        comm.reduce_scatter(out2.view(-1), y.view(-1))
+    else:
+        comm.all_to_all(list(out2.view(-1).chunk(p.world_size)),
+                        list(y.view(-1).chunk(p.world_size)))
+
+
+def matmul_allreduce(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    collective: str = "all_reduce",
+    op: str = "sum",
+    out: torch.Tensor | None = None,
+    backend: str = "torch",
+) -> torch.Tensor:
+    """``dist.all_reduce(x @ w)`` overlapped: ``x [..., K]``, ``w [K, N]`` -> ``[..., N]``.
+
+    ``collective="reduce_scatter"`` makes it a reduce-scatter (``[M / R, N]``); the other
+    arguments are those of ``matmul_collective``.
+    """
+    return matmul_collective(x, w, collective, group=group, op=op, out=out, backend=backend)
+
+
+def matmul_reduce_scatter(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    op: str = "sum",
+    out: torch.Tensor | None = None,
+    backend: str = "torch",
+) -> torch.Tensor:
+    """``reduce_scatter_tensor`` of ``x @ w`` overlapped: ``x [..., K]``, ``w [K, N]`` ->
+    ``[M / R, N]``, rank r holding rows ``[r * M / R, (r + 1) * M / R)`` of the sum."""
+    return matmul_collective(x, w, "reduce_scatter", group=group, op=op, out=out,
+                             backend=backend)
+
+
+def matmul_all_to_all(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    out: torch.Tensor | None = None,
+    backend: str = "torch",
+) -> torch.Tensor:
+    """``all_to_all_single`` of ``x @ w`` overlapped: ``x [..., K]``, ``w [K, N]`` ->
+    ``[..., N]``; row block ``j`` (``M / R`` rows) of the product goes to rank ``j``, and block
+    ``s`` of the result came from rank ``s``."""
+    return matmul_collective(x, w, "all_to_all", group=group, out=out, backend=backend)

@@ -1,0 +1,214 @@
+"""Chunk plan: which tiles of the product form each chunk, and where each chunk lives.
+
+Pure Python (no torch, no Triton), so it is the same on every rank and testable anywhere.
+
+Coordinates
+-----------
+The GEMM computes ``P = x_perm @ w`` where ``P`` is ``[M, N]`` in *slot space*: row ``p`` of
+``P`` is row ``x_row(p)`` of ``x``. The kernel stores ``P`` into one flat buffer of ``M * N``
+elements in which every chunk is one contiguous range ("slot").
+
+Chunks form a grid of ``n_row_bands x n_col_bands``; chunk ``c = a * n_col_bands + b``.
+
+- Row band ``a`` is slot rows ``[a * chunk_rows, a * chunk_rows + rows(a))``; ``chunk_rows`` is a
+  multiple of ``block_m`` so a tile never straddles two row bands.
+- Column band ``b`` is columns ``[b * chunk_cols, b * chunk_cols + cols(b))``; ``chunk_cols`` is
+  a multiple of ``block_n``.
+- Slot of chunk (a, b): ``rows(a) x cols(b)`` row-major, starting at element
+  ``a * chunk_rows * N + b * chunk_cols * rows(a)``.
+
+With one column band the flat buffer is plain row-major ``P``. Column bands exist for small M
+(decode), where one row band cannot be split.
+
+Row permutation (reduce-scatter, all-to-all): rank ``r`` owns rows ``[r * M_r, (r + 1) * M_r)``
+of the product, ``M_r = M / R``. Row band ``a`` takes rows ``[a * h, a * h + h_a)`` of every
+rank's block, rank-major, so that in each chunk rank ``r``'s share is the contiguous range
+``[r * h_a * cols(b), (r + 1) * h_a * cols(b))`` of the slot, which is exactly how NCCL's
+reduce-scatter and all-to-all split a buffer. ``h = chunk_rows / R`` and ``h_a = rows(a) / R``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_to_all")
+OPS = ("sum", "avg")
+MAX_CHUNKS = 64  # counters per context; plans never exceed it
+
+# Tile configs (block_m, block_n, block_k, num_warps, num_stages). 128x256x64 is the prototype's
+# bf16 config on H200 (DESIGN.md); the interpreter gets small tiles so CPU tests stay fast.
+_GPU_TILES_16BIT = (128, 256, 64, 8, 3)
+_GPU_TILES_FP32 = (128, 128, 32, 8, 3)
+_INTERPRETER_TILES = (32, 32, 32, 4, 1)
+# Decode shapes (M <= 128): narrow tiles so that N alone yields enough programs to fill the GPU
+# (N = 8192 gives 128 tiles of 64 columns; 256-wide tiles would give 32 for 132 SMs).
+_SMALL_M_BLOCK_N, _SMALL_M_BLOCK_K = 64, 128
+
+
+@dataclass(frozen=True)
+class Tiles:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def tiles_for(M: int, dtype_bits: int, interpreter: bool) -> Tiles:
+    """Tile config for ``M`` rows of an element size in bits, on the GPU or in the Triton
+    interpreter."""
+    if interpreter:
+        return Tiles(*_INTERPRETER_TILES)
+    if M <= 128:
+        block_m = 32 if M <= 32 else 64 if M <= 64 else 128
+        return Tiles(block_m, _SMALL_M_BLOCK_N, _SMALL_M_BLOCK_K, 4, 4)
+    return Tiles(*(_GPU_TILES_FP32 if dtype_bits == 32 else _GPU_TILES_16BIT))
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How one call runs. ``path`` is "overlap" or "fallback"; ``reason`` says why.
+
+    Identical on every rank for identical arguments (it depends on nothing else).
+    """
+
+    path: str
+    reason: str
+    collective: str
+    M: int
+    N: int
+    K: int
+    world_size: int
+    tiles: Tiles | None = None
+    chunk_rows: int = 0  # slot rows per row band (multiple of block_m)
+    chunk_cols: int = 0  # columns per column band (multiple of block_n)
+    group_m: int = 1  # tile-row grouping of the launch order (divides tile rows per band)
+    tiles_per_chunk: tuple[int, ...] = field(default=())
+
+    @property
+    def n_row_bands(self) -> int:
+        return math.ceil(self.M / self.chunk_rows) if self.chunk_rows else 0
+
+    @property
+    def n_col_bands(self) -> int:
+        return math.ceil(self.N / self.chunk_cols) if self.chunk_cols else 0
+
+    @property
+    def n_chunks(self) -> int:
+        return len(self.tiles_per_chunk)
+
+    @property
+    def permute_rows(self) -> bool:
+        return self.collective != "all_reduce"
+
+    @property
+    def rank_rows(self) -> int:
+        """Rows per rank per full row band (``h``); for all-reduce the band height."""
+        return self.chunk_rows // self.world_size if self.permute_rows else self.chunk_rows
+
+    def band_rows(self, a: int) -> int:
+        """Slot rows of row band ``a``."""
+        return min(self.chunk_rows, self.M - a * self.chunk_rows)
+
+    def band_cols(self, b: int) -> int:
+        """Columns of column band ``b``."""
+        return min(self.chunk_cols, self.N - b * self.chunk_cols)
+
+    def chunk_slot(self, c: int) -> tuple[int, int, int, int, int]:
+        """``(offset, rows, cols, row0, col0)`` of chunk ``c``: its slot starts at element
+        ``offset`` of the flat buffer and holds ``rows x cols`` row-major; it covers slot rows
+        ``[row0, row0 + rows)`` and columns ``[col0, col0 + cols)``."""
+        a, b = divmod(c, self.n_col_bands)
+        row0, col0 = a * self.chunk_rows, b * self.chunk_cols
+        rows, cols = self.band_rows(a), self.band_cols(b)
+        return row0 * self.N + col0 * rows, rows, cols, row0, col0
+
+    def x_row(self, p: int) -> int:
+        """Row of ``x`` (and of the standard product) that slot row ``p`` holds."""
+        if not self.permute_rows:
+            return p
+        a, q = divmod(p, self.chunk_rows)
+        h_a = self.band_rows(a) // self.world_size
+        r, i = divmod(q, h_a)
+        return r * (self.M // self.world_size) + a * self.rank_rows + i
+
+    def describe(self) -> str:
+        if self.path != "overlap":
+            return f"{self.collective} {self.M}x{self.N}x{self.K}: fallback ({self.reason})"
+        t = self.tiles
+        return (
+            f"{self.collective} {self.M}x{self.N}x{self.K} on {self.world_size} ranks: "
+            f"{self.n_chunks} chunks ({self.n_row_bands} row bands of {self.chunk_rows} rows x "
+            f"{self.n_col_bands} column bands of {self.chunk_cols}), tiles "
+            f"{t.block_m}x{t.block_n}x{t.block_k}; {self.reason}"
+        )
+
+
+def _fallback(reason: str, collective: str, M: int, N: int, K: int, R: int) -> Plan:
+    return Plan("fallback", reason, collective, M, N, K, R)
+
+
+def make_plan(
+    M: int,
+    N: int,
+    K: int,
+    *,
+    world_size: int,
+    collective: str,
+    dtype_bits: int,
+    interpreter: bool = False,
+    num_sms: int = 132,
+    chunks: int | None = None,
+) -> Plan:
+    """Choose the chunk plan for ``[M, K] @ [K, N]`` followed by ``collective`` over
+    ``world_size`` ranks.
+
+    ``chunks`` asks for about that many chunks (rounded to what the tiles allow); by default the
+    plan aims at about two GEMM waves (``num_sms`` tiles each) per chunk, between 2 and 8 chunks:
+    DESIGN.md measured 1024- and 2048-row chunks best and 512 rows worse.
+    """
+    if collective not in COLLECTIVES:
+        raise ValueError(f"collective must be one of {COLLECTIVES}, got {collective!r}")
+    R = world_size
+    if collective != "all_reduce" and M % R:
+        raise ValueError(f"{collective} needs M ({M}) divisible by the world size ({R})")
+    if R == 1:
+        return _fallback("world size 1: nothing to communicate", collective, M, N, K, R)
+    if M == 0 or N == 0:
+        return _fallback("empty product", collective, M, N, K, R)
+    t = tiles_for(M, dtype_bits, interpreter)
+    tm, tn = math.ceil(M / t.block_m), math.ceil(N / t.block_n)
+    if chunks is None:
+        chunks = round(tm * tn / (2 * num_sms))
+    chunks = max(2, min(8, MAX_CHUNKS, chunks))
+
+    # Row bands: a band is a whole number of tile rows; for the permuted collectives also a
+    # multiple of R, so every rank's block of M / R rows splits the same way.
+    step = t.block_m if collective == "all_reduce" else math.lcm(t.block_m, R)
+    units = math.ceil(M / step)
+    chunk_rows = math.ceil(units / min(chunks, units)) * step
+    chunk_cols = tn * t.block_n
+    if math.ceil(M / chunk_rows) < 2:
+        # Too few rows to split: one row band of all M rows, split along N (decode shapes).
+        if tn < 2:
+            return _fallback("product has one tile column and too few rows to split",
+                             collective, M, N, K, R)
+        chunk_rows = tm * t.block_m
+        chunk_cols = math.ceil(tn / min(chunks, tn)) * t.block_n
+    # Launch order: GROUP_M tile rows at a time; it must divide a band's tile rows so that
+    # chunks finish in order.
+    group_m = math.gcd(8, chunk_rows // t.block_m)
+    plan = Plan(
+        "overlap", "", collective, M, N, K, R, t, chunk_rows, chunk_cols, group_m,
+    )
+    tiles = tuple(
+        math.ceil(plan.band_rows(a) / t.block_m) * math.ceil(plan.band_cols(b) / t.block_n)
+        for a in range(plan.n_row_bands)
+        for b in range(plan.n_col_bands)
+    )
+    how = "row bands" if plan.n_col_bands == 1 else "column bands (small M)"
+    return Plan(
+        "overlap", f"{len(tiles)} chunks along {how}", collective, M, N, K, R, t,
+        chunk_rows, chunk_cols, group_m, tiles,
+    )

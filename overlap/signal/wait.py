@@ -1,0 +1,92 @@
+"""Make a stream wait until a chunk counter reaches its target.
+
+Three ways, one chosen per process (``method()``):
+
+- ``"stream_wait"``: ``cuStreamWaitValue32(GEQ)`` from cuda-python on the stream; the front end
+  of the GPU waits, no SM is used (DESIGN.md: measured working on the H200s).
+- ``"spin"``: a one-CTA Triton kernel (``spin.py``) where stream memory operations are missing
+  (no cuda-python, or the driver refuses them). Forced with ``OVERLAP_WAIT=spin``.
+- CPU tensors (Triton interpreter, gloo): the kernel ran synchronously, so the counter is read
+  on the host; a counter short of its target means tiles were lost, and raises.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .counters import reached
+
+_method: str | None = None
+
+
+def _driver():
+    try:
+        from cuda.bindings import driver  # cuda-python >= 12.6
+    except ImportError:
+        from cuda import cuda as driver  # older cuda-python
+    return driver
+
+
+def method() -> str:
+    """``"stream_wait"`` or ``"spin"``: how CUDA streams wait in this process."""
+    global _method
+    if _method is None:
+        forced = os.environ.get("OVERLAP_WAIT", "")
+        if forced in ("spin", "stream_wait"):
+            _method = forced
+        else:
+            try:
+                _driver()
+                _method = "stream_wait"
+            except ImportError:
+                _method = "spin"
+    return _method
+
+
+def _stream_wait(stream: torch.cuda.Stream, counter: torch.Tensor, target: int) -> None:
+    global _method
+    drv = _driver()
+    (err,) = drv.cuStreamWaitValue32(
+        drv.CUstream(stream.cuda_stream),
+        drv.CUdeviceptr(counter.data_ptr()),
+        target,
+        drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ,
+    )
+    if err != drv.CUresult.CUDA_SUCCESS:
+        # Driver without stream memory operations: use the spin kernel from now on.
+        _method = "spin"
+        _spin(stream, counter, target)
+
+
+def _spin(stream: torch.cuda.Stream, counter: torch.Tensor, target: int) -> None:
+    from .spin import spin_until
+
+    with torch.cuda.stream(stream):
+        spin_until(counter, target)
+
+
+def wait_counter(counter: torch.Tensor, target: int, stream: torch.cuda.Stream | None) -> None:
+    """Order everything issued later on ``stream`` after ``counter[0]`` reaches ``target``.
+
+    Args:
+        counter: one-element int32 view of a chunk counter.
+        target: unsigned 32-bit target value.
+        stream: the CUDA stream that waits; ``None`` for CPU counters.
+
+    Raises:
+        RuntimeError: (CPU) the counter is short of its target after the kernel finished.
+    """
+    if not counter.is_cuda:
+        value = int(counter.item()) & 0xFFFFFFFF
+        if not reached(value, target):
+            raise RuntimeError(
+                f"chunk counter is {value}, expected at least {target}: the GEMM did not "
+                "signal every tile of this chunk"
+            )
+        return
+    if method() == "stream_wait":
+        _stream_wait(stream, counter, target)
+    else:
+        _spin(stream, counter, target)
