@@ -68,8 +68,9 @@ def _check(x: torch.Tensor, w: torch.Tensor, collective: str, op: str, backend: 
     if w.device != x.device:
         raise ValueError(f"w is on {w.device} but x is on {x.device}")
     if x.shape[-1] != w.shape[0]:
-        raise ValueError(f"K mismatch: x is {tuple(x.shape)} ([..., K]), w is {tuple(w.shape)} "
-                         "([K, N])")
+        raise ValueError(
+            f"K mismatch: x is {tuple(x.shape)} ([..., K]), w is {tuple(w.shape)} ([K, N])"
+        )
 
 
 def plan(
@@ -93,12 +94,18 @@ def plan(
     M, K, N = math.prod(x.shape[:-1]), x.shape[-1], w.shape[1]
     R = _world(group)
     p = make_plan(
-        M, N, K, world_size=R, collective=collective, dtype_bits=x.element_size() * 8,
-        interpreter=not x.is_cuda, num_sms=_num_sms(x.device), chunks=chunks,
+        M,
+        N,
+        K,
+        world_size=R,
+        collective=collective,
+        dtype_bits=x.element_size() * 8,
+        interpreter=not x.is_cuda,
+        num_sms=_num_sms(x.device),
+        chunks=chunks,
     )
     if p.path == "overlap" and not x.is_cuda and not _interpreter():
-        return Plan("fallback", "CPU tensors and TRITON_INTERPRET is not 1", collective,
-                    M, N, K, R)
+        return Plan("fallback", "CPU tensors and TRITON_INTERPRET is not 1", collective, M, N, K, R)
     return p
 
 
@@ -226,16 +233,28 @@ def matmul_collective(
     if s is None:  # CPU: the interpreter runs the kernel to completion, then gloo collectives
         chunked_matmul(x2, w, p_flat, counters, p, scale)
         ctx.counters.commit(targets)
-        run_chunks(p, comm, p_flat, out2, recv_flat,
-                   lambda c: wait_counter(counters[c : c + 1], targets[c], None))
+        run_chunks(
+            p,
+            comm,
+            p_flat,
+            out2,
+            recv_flat,
+            lambda c: wait_counter(counters[c : c + 1], targets[c], None),
+        )
         return out
     caller = torch.cuda.current_stream(x.device)
     s.wait_stream(caller)  # buffers and inputs are ready before the comm stream touches them
     chunked_matmul(x2, w, p_flat, counters, p, scale)
     ctx.counters.commit(targets)
     with torch.cuda.stream(s):
-        run_chunks(p, comm, p_flat, out2, recv_flat,
-                   lambda c: wait_counter(counters[c : c + 1], targets[c], s))
+        run_chunks(
+            p,
+            comm,
+            p_flat,
+            out2,
+            recv_flat,
+            lambda c: wait_counter(counters[c : c + 1], targets[c], s),
+        )
     # The caller stream continues after the last collective; buffers allocated on it are
     # therefore free to reuse once this call's work on `s` is done.
     caller.wait_stream(s)
@@ -265,8 +284,9 @@ def _plain(
     elif p.collective == "reduce_scatter":
         comm.reduce_scatter(out2.view(-1), y.view(-1))
     else:
-        comm.all_to_all(list(out2.view(-1).chunk(p.world_size)),
-                        list(y.view(-1).chunk(p.world_size)))
+        comm.all_to_all(
+            list(out2.view(-1).chunk(p.world_size)), list(y.view(-1).chunk(p.world_size))
+        )
 
 
 def matmul_allreduce(
@@ -298,8 +318,7 @@ def matmul_reduce_scatter(
 ) -> torch.Tensor:
     """``reduce_scatter_tensor`` of ``x @ w`` overlapped: ``x [..., K]``, ``w [K, N]`` ->
     ``[M / R, N]``, rank r holding rows ``[r * M / R, (r + 1) * M / R)`` of the sum."""
-    return matmul_collective(x, w, "reduce_scatter", group=group, op=op, out=out,
-                             backend=backend)
+    return matmul_collective(x, w, "reduce_scatter", group=group, op=op, out=out, backend=backend)
 
 
 def matmul_all_to_all(

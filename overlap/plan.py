@@ -29,6 +29,7 @@ reduce-scatter and all-to-all split a buffer. ``h = chunk_rows / R`` and ``h_a =
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -149,6 +150,7 @@ def _fallback(reason: str, collective: str, M: int, N: int, K: int, R: int) -> P
     return Plan("fallback", reason, collective, M, N, K, R)
 
 
+@functools.lru_cache(maxsize=1024)
 def make_plan(
     M: int,
     N: int,
@@ -180,8 +182,9 @@ def make_plan(
     t = tiles_for(M, dtype_bits, interpreter)
     tm, tn = math.ceil(M / t.block_m), math.ceil(N / t.block_n)
     if chunks is None:
-        chunks = round(tm * tn / (2 * num_sms))
-    chunks = max(2, min(8, MAX_CHUNKS, chunks))
+        chunks = max(2, min(8, round(tm * tn / (2 * num_sms))))
+    elif not 2 <= chunks <= MAX_CHUNKS:
+        raise ValueError(f"chunks must be in [2, {MAX_CHUNKS}], got {chunks}")
 
     # Row bands: a band is a whole number of tile rows; for the permuted collectives also a
     # multiple of R, so every rank's block of M / R rows splits the same way.
@@ -192,15 +195,26 @@ def make_plan(
     if math.ceil(M / chunk_rows) < 2:
         # Too few rows to split: one row band of all M rows, split along N (decode shapes).
         if tn < 2:
-            return _fallback("product has one tile column and too few rows to split",
-                             collective, M, N, K, R)
+            return _fallback(
+                "product has one tile column and too few rows to split", collective, M, N, K, R
+            )
         chunk_rows = tm * t.block_m
         chunk_cols = math.ceil(tn / min(chunks, tn)) * t.block_n
     # Launch order: GROUP_M tile rows at a time; it must divide a band's tile rows so that
     # chunks finish in order.
     group_m = math.gcd(8, chunk_rows // t.block_m)
     plan = Plan(
-        "overlap", "", collective, M, N, K, R, t, chunk_rows, chunk_cols, group_m,
+        "overlap",
+        "",
+        collective,
+        M,
+        N,
+        K,
+        R,
+        t,
+        chunk_rows,
+        chunk_cols,
+        group_m,
     )
     tiles = tuple(
         math.ceil(plan.band_rows(a) / t.block_m) * math.ceil(plan.band_cols(b) / t.block_n)
@@ -209,6 +223,16 @@ def make_plan(
     )
     how = "row bands" if plan.n_col_bands == 1 else "column bands (small M)"
     return Plan(
-        "overlap", f"{len(tiles)} chunks along {how}", collective, M, N, K, R, t,
-        chunk_rows, chunk_cols, group_m, tiles,
+        "overlap",
+        f"{len(tiles)} chunks along {how}",
+        collective,
+        M,
+        N,
+        K,
+        R,
+        t,
+        chunk_rows,
+        chunk_cols,
+        group_m,
+        tiles,
     )

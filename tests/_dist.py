@@ -25,7 +25,10 @@ def _entry(rank, world_size, init_file, backend, fn, args, errors_dir):
         if backend == "nccl":
             torch.cuda.set_device(rank)
         dist.init_process_group(
-            backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+            backend,
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=world_size,
             timeout=timedelta(seconds=120),
         )
         failures = fn(rank, world_size, *args)
@@ -43,17 +46,32 @@ def spawn(fn, world_size: int, *args, backend: str = "gloo") -> None:
     """Run ``fn(rank, world_size, *args) -> list[str]`` on ``world_size`` ranks; raise
     AssertionError with every rank's failures."""
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_entry, args=(world_size, os.path.join(d, "init"), backend, fn, args, d),
-                 nprocs=world_size)
+        mp.spawn(
+            _entry,
+            args=(world_size, os.path.join(d, "init"), backend, fn, args, d),
+            nprocs=world_size,
+        )
         reports = sorted(f for f in os.listdir(d) if f.startswith("rank"))
         text = "\n".join(open(os.path.join(d, f)).read() for f in reports)
     assert not reports, text
 
 
-def check_case(rank: int, R: int, device: str, collective: str, dtype: torch.dtype,
-               shape: tuple, seed: int, *, op: str = "sum", transposed_w: bool = True,
-               backend: str = "torch", expect: str = "overlap", chunks: int | None = None,
-               count_calls: dict | None = None) -> str | None:
+def check_case(
+    rank: int,
+    R: int,
+    device: str,
+    collective: str,
+    dtype: torch.dtype,
+    shape: tuple,
+    seed: int,
+    *,
+    op: str = "sum",
+    transposed_w: bool = True,
+    backend: str = "torch",
+    expect: str = "overlap",
+    chunks: int | None = None,
+    count_calls: dict | None = None,
+) -> str | None:
     """One call of ``overlap.matmul_collective`` on this rank, checked; a message on failure.
 
     ``shape`` is ``(lead..., K, N)``; every rank draws every rank's inputs from ``seed`` so the
@@ -66,8 +84,10 @@ def check_case(rank: int, R: int, device: str, collective: str, dtype: torch.dty
     ws = [torch.randn(N, K, generator=g).to(dtype) for _ in range(R)]  # nn.Linear weights
     x = xs[rank].to(device)
     w = ws[rank].to(device).t() if transposed_w else ws[rank].t().contiguous().to(device)
-    prods = [xs[r].to(device, torch.float64).reshape(M, K) @ ws[r].to(device, torch.float64).t()
-             for r in range(R)]
+    prods = [
+        xs[r].to(device, torch.float64).reshape(M, K) @ ws[r].to(device, torch.float64).t()
+        for r in range(R)
+    ]
     Mr = M // R
     if collective == "all_reduce":
         ref = sum(prods).reshape(*lead, N)
@@ -80,8 +100,9 @@ def check_case(rank: int, R: int, device: str, collective: str, dtype: torch.dty
     p = overlap.plan(x, w, collective, chunks=chunks)
     out = torch.full(ref.shape, float("nan"), dtype=dtype, device=device)
     before = dict(count_calls) if count_calls is not None else None
-    res = overlap.matmul_collective(x, w, collective, op=op, out=out, backend=backend,
-                                    chunks=chunks)
+    res = overlap.matmul_collective(
+        x, w, collective, op=op, out=out, backend=backend, chunks=chunks
+    )
     name = f"{collective} {dtype} {shape} op={op} backend={backend} rank={rank}"
     if p.path != expect:
         return f"{name}: path {p.path} ({p.reason}), expected {expect}"

@@ -7,7 +7,6 @@ import random
 
 import pytest
 import torch
-
 from _dist import check_case, count_collectives, spawn
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_to_all")
@@ -21,19 +20,29 @@ def _cases_2ranks(rank, R, seed):
     for i, (coll, dtype, shape) in enumerate(
         (c, d, s) for c in COLLECTIVES for d in (torch.float32, torch.float16) for s in SHAPES_2
     ):
-        msg = check_case(rank, R, "cpu", coll, dtype, shape, seed + i, chunks=3,
-                         count_calls=counts)
+        msg = check_case(rank, R, "cpu", coll, dtype, shape, seed + i, chunks=3, count_calls=counts)
         failures += [msg] if msg else []
     # avg, contiguous (non-transposed) w, default chunk count, and calls reusing the counters
     for j, coll in enumerate(("all_reduce", "reduce_scatter")):
         for k in range(2):
-            msg = check_case(rank, R, "cpu", coll, torch.float32, (64, 40, 96), seed + 100 + j * 2 + k,
-                             op="avg", transposed_w=False, count_calls=counts)
+            msg = check_case(
+                rank,
+                R,
+                "cpu",
+                coll,
+                torch.float32,
+                (64, 40, 96),
+                seed + 100 + j * 2 + k,
+                op="avg",
+                transposed_w=False,
+                count_calls=counts,
+            )
             failures += [msg] if msg else []
     # too small to split: the plain path, same answer
     for coll in COLLECTIVES:
-        msg = check_case(rank, R, "cpu", coll, torch.float32, (8, 16, 24), seed + 200,
-                         expect="fallback")
+        msg = check_case(
+            rank, R, "cpu", coll, torch.float32, (8, 16, 24), seed + 200, expect="fallback"
+        )
         failures += [msg] if msg else []
     return failures
 
@@ -42,8 +51,9 @@ def _cases_many(rank, R, seed):
     failures = []
     for i, coll in enumerate(COLLECTIVES):
         for j, shape in enumerate([(8 * R * 3, 40, 72), (2 * R, 24, 200)]):
-            msg = check_case(rank, R, "cpu", coll, torch.float32, shape, seed + 10 * i + j,
-                             chunks=4)
+            msg = check_case(
+                rank, R, "cpu", coll, torch.float32, shape, seed + 10 * i + j, chunks=4
+            )
             failures += [msg] if msg else []
     return failures
 

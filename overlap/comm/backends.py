@@ -70,7 +70,11 @@ class CupyComm:
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         self.comm.reduceScatter(
-            inp.data_ptr(), out.data_ptr(), out.numel(), _NCCL_DTYPES[out.dtype], _NCCL_SUM,
+            inp.data_ptr(),
+            out.data_ptr(),
+            out.numel(),
+            _NCCL_DTYPES[out.dtype],
+            _NCCL_SUM,
             self._stream(),
         )
 

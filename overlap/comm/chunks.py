@@ -68,8 +68,9 @@ def run_chunks(
         else:  # all_to_all
             out3 = out.view(R, -1, N)
             if in_place:
-                comm.all_to_all([out3[s, r0 : r0 + h_a].view(-1) for s in range(R)],
-                                list(slot.chunk(R)))
+                comm.all_to_all(
+                    [out3[s, r0 : r0 + h_a].view(-1) for s in range(R)], list(slot.chunk(R))
+                )
             else:
                 recv = recv_flat[off : off + rows * cols]
                 comm.all_to_all(list(recv.chunk(R)), list(slot.chunk(R)))

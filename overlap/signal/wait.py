@@ -13,6 +13,7 @@ Three ways, one chosen per process (``method()``):
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 
@@ -48,14 +49,23 @@ def method() -> str:
 def _stream_wait(stream: torch.cuda.Stream, counter: torch.Tensor, target: int) -> None:
     global _method
     drv = _driver()
-    (err,) = drv.cuStreamWaitValue32(
-        drv.CUstream(stream.cuda_stream),
-        drv.CUdeviceptr(counter.data_ptr()),
-        target,
-        drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ,
-    )
-    if err != drv.CUresult.CUDA_SUCCESS:
-        # Driver without stream memory operations: use the spin kernel from now on.
+    try:
+        (err,) = drv.cuStreamWaitValue32(
+            drv.CUstream(stream.cuda_stream),
+            drv.CUdeviceptr(counter.data_ptr()),
+            target,
+            drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ,
+        )
+        failure = None if err == drv.CUresult.CUDA_SUCCESS else str(err)
+    except (TypeError, AttributeError) as e:  # a cuda-python whose API differs
+        failure = repr(e)
+    if failure is not None:
+        # No stream memory operations here: use the spin kernel from now on.
+        warnings.warn(
+            f"cuStreamWaitValue32 failed ({failure}); waiting with a spin kernel",
+            RuntimeWarning,
+            stacklevel=3,
+        )
         _method = "spin"
         _spin(stream, counter, target)
 

@@ -1,0 +1,233 @@
+"""Benchmark: ``torchrun --nproc-per-node=2 -m overlap.bench [--out bench.json]``.
+
+Per shape and collective (bf16, ``x [M, K]`` and ``w = weight.t()`` of ``[N, K]``):
+cuBLAS GEMM alone, this library's GEMM alone (with signals), the collective alone on the
+product, sequential (cuBLAS + collective), this library, the speedup over sequential and the
+hidden fraction ``eta = (T_seq - T_overlap) / (T_seq - max(T_gemm, T_comm))``; for
+reduce-scatter also torch's async-TP (``fused_matmul_reduce_scatter``) where it runs. Peak GPU
+memory of the sequential and the overlapped call, and host time per overlapped call.
+
+Timing: CUDA events around each call, ranks lined up by a barrier and a short GPU sleep before
+each timed call (so host launch time is hidden as in a busy training step), median over the
+iterations, max over ranks. Prints a table; rank 0 writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+import overlap
+
+SHAPES = [
+    "4096x8192x4096",
+    "8192x8192x14336",
+    "16384x8192x4096",
+    "8192x4096x4096",
+    "16x8192x4096",
+    "128x8192x4096",
+]
+
+
+def _time(fn, iters: int, warmup: int = 3) -> float:
+    """Median milliseconds of ``fn()`` over ``iters`` calls, max over ranks."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        dist.barrier()
+        torch.cuda.synchronize()
+        torch.cuda._sleep(200_000)  # ~100 us: the host queues the call before the GPU reaches it
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    t = torch.tensor([statistics.median(times)], device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def _peak_mb(fn) -> float:
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def _collective(coll: str, y: torch.Tensor, out: torch.Tensor, group) -> None:
+    if coll == "all_reduce":
+        dist.all_reduce(y, group=group)
+    elif coll == "reduce_scatter":
+        dist.reduce_scatter_tensor(out, y, group=group)
+    else:
+        dist.all_to_all_single(out, y, group=group)
+
+
+def _async_tp(x, w, group):
+    """torch's fused matmul + reduce-scatter, or None where it does not run."""
+    try:
+        from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+        enable_symm_mem_for_group(group.group_name)
+        fn = torch.ops.symm_mem.fused_matmul_reduce_scatter
+        fn(x, w, "sum", scatter_dim=0, group_name=group.group_name)
+        return lambda: fn(x, w, "sum", scatter_dim=0, group_name=group.group_name)
+    except Exception as e:  # not built, no P2P, or no symmetric memory here
+        if dist.get_rank() == 0:
+            print(f"async-TP unavailable: {type(e).__name__}: {str(e)[:120]}")
+        return None
+
+
+def bench_one(shape: str, coll: str, iters: int, backend: str, chunks: int | None) -> dict:
+    M, N, K = (int(v) for v in shape.split("x"))
+    group = dist.group.WORLD
+    R = dist.get_world_size()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    g = torch.Generator(device=dev).manual_seed(1234 + dist.get_rank())
+    x = torch.randn(M, K, device=dev, dtype=torch.bfloat16, generator=g)
+    w = torch.randn(N, K, device=dev, dtype=torch.bfloat16, generator=g).t()  # weight.t()
+    out_shape = (M // R, N) if coll == "reduce_scatter" else (M, N)
+    out = torch.empty(out_shape, device=dev, dtype=torch.bfloat16)
+    y = torch.empty(M, N, device=dev, dtype=torch.bfloat16)  # for the parts timed alone
+    p = overlap.plan(x, w, coll, chunks=chunks)
+
+    def seq():  # what users write today
+        prod = x @ w
+        _collective(coll, prod, out, group)
+
+    def ovl():
+        overlap.matmul_collective(x, w, coll, out=out, backend=backend, chunks=chunks)
+
+    row = {
+        "shape": shape,
+        "collective": coll,
+        "backend": backend,
+        "plan": p.describe(),
+        "chunks": p.n_chunks,
+    }
+    row["gemm_cublas"] = _time(lambda: torch.matmul(x, w, out=y), iters)
+    if p.path == "overlap":
+        from overlap.gemm import chunked_matmul
+        from overlap.signal import ChunkCounters
+
+        counters = ChunkCounters(dev)
+        p_flat = torch.empty(M * N, device=dev, dtype=torch.bfloat16)
+        row["gemm_overlap_kernel"] = _time(
+            lambda: chunked_matmul(x, w, p_flat, counters.tensor, p), iters
+        )
+    row["comm"] = _time(lambda: _collective(coll, y, out, group), iters)
+    row["sequential"] = _time(seq, iters)
+    row["overlap"] = _time(ovl, iters)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        ovl()
+    row["host_ms_per_call"] = (time.perf_counter() - t0) / 10 * 1e3
+    torch.cuda.synchronize()
+    row["peak_mb_sequential"] = _peak_mb(seq)
+    row["peak_mb_overlap"] = _peak_mb(ovl)
+    if coll == "reduce_scatter":
+        fused = _async_tp(x, w, group)
+        row["async_tp"] = _time(fused, iters) if fused else None
+    limit = max(row["gemm_cublas"], row["comm"])
+    row["speedup"] = row["sequential"] / row["overlap"]
+    hideable = row["sequential"] - limit
+    row["eta"] = (row["sequential"] - row["overlap"]) / hideable if hideable > 0 else None
+    return row
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default=",".join(SHAPES), help="MxNxK,MxNxK,...")
+    ap.add_argument("--collectives", default="all_reduce,reduce_scatter,all_to_all")
+    ap.add_argument("--backend", default="torch", choices=["torch", "cupy"])
+    ap.add_argument(
+        "--chunks",
+        default="",
+        help="chunk counts to sweep, e.g. 2,4,8 (default: the planner's choice)",
+    )
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--out", default="bench_out/bench.json")
+    args = ap.parse_args(argv)
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    mode = "no_p2p" if os.environ.get("NCCL_P2P_DISABLE") == "1" else "default"
+    chunk_list = [int(c) for c in args.chunks.split(",") if c] or [None]
+    rows = []
+    for shape in args.shapes.split(","):
+        for coll in args.collectives.split(","):
+            for chunks in chunk_list:
+                row = bench_one(shape, coll, args.iters, args.backend, chunks)
+                row["mode"] = mode
+                rows.append(row)
+                if dist.get_rank() == 0:
+                    print(_fmt(row), flush=True)
+    if dist.get_rank() == 0:
+        meta = {
+            "device": torch.cuda.get_device_name(),
+            "world_size": dist.get_world_size(),
+            "torch": torch.__version__,
+            "nccl": str(torch.cuda.nccl.version()),
+            "mode": mode,
+            "backend": args.backend,
+            "date": time.strftime("%Y-%m-%d"),
+        }
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        print(f"wrote {args.out}")
+    dist.destroy_process_group()
+
+
+HEADER = (
+    "shape",
+    "coll",
+    "ch",
+    "cuBLAS",
+    "ours_gemm",
+    "comm",
+    "seq",
+    "overlap",
+    "speedup",
+    "eta",
+    "asyncTP",
+    "host_ms",
+)
+
+
+def _fmt(r: dict) -> str:
+    def f(v):
+        return "-" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)
+
+    return " | ".join(
+        f(v)
+        for v in (
+            r["shape"],
+            r["collective"],
+            r["chunks"],
+            r["gemm_cublas"],
+            r.get("gemm_overlap_kernel"),
+            r["comm"],
+            r["sequential"],
+            r["overlap"],
+            r["speedup"],
+            r["eta"],
+            r.get("async_tp"),
+            r["host_ms_per_call"],
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# One device call: environment, GPU test suite, benchmarks. Results under $OUT (or ./gpu_out).
+# Usage on a 2-GPU machine: bash tools/gpu_run.sh [suite|bench|sweep|all]
+set -u
+OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+what=${1:-all}
+{
+  date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+  nvidia-smi topo -m
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'nccl', torch.cuda.nccl.version())"
+  python3 -c "import cuda.bindings, cupy; print('cuda-bindings', cuda.bindings.__version__, 'cupy', cupy.__version__)"
+} > "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+run_bench() {  # mode-name extra-args...
+  local name=$1; shift
+  timeout 240 torchrun --nproc-per-node=2 -m overlap.bench --out "$OUT/bench_$name.json" "$@" \
+    2>&1 | grep -v "^W1\|OMP_NUM_THREADS\|^\*\*\*" | tee "$OUT/bench_$name.log"
+}
+if [ "$what" = suite ] || [ "$what" = all ]; then
+  timeout 420 python3 -m pytest -m gpu tests/test_gpu.py -q -x -p no:cacheprovider 2>&1 | tail -40 | tee "$OUT/gpu_suite.log"
+fi
+if [ "$what" = bench ] || [ "$what" = all ]; then
+  run_bench nvlink
+  NCCL_P2P_DISABLE=1 run_bench no_p2p
+fi
+if [ "$what" = sweep ]; then
+  run_bench sweep_nvlink --collectives all_reduce --chunks 2,4,8,16 --iters 10 --shapes 4096x8192x4096,16384x8192x4096,8192x8192x14336
+  NCCL_P2P_DISABLE=1 run_bench sweep_no_p2p --collectives all_reduce --chunks 2,4,8,16 --iters 10 --shapes 4096x8192x4096,8192x8192x14336
+  run_bench cupy_nvlink --backend cupy --collectives all_reduce,reduce_scatter --iters 10
+fi
