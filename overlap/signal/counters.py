@@ -37,7 +37,10 @@ class ChunkCounters:
 
     def targets(self, tiles_per_chunk: tuple[int, ...]) -> list[int]:
         """Values the counters reach once the next call's tiles are all stored."""
-        return [(e + t) & _MASK for e, t in zip(self.expected[: len(tiles_per_chunk)], tiles_per_chunk, strict=True)]
+        return [
+            (e + t) & _MASK
+            for e, t in zip(self.expected[: len(tiles_per_chunk)], tiles_per_chunk, strict=True)
+        ]
 
     def commit(self, targets: list[int]) -> None:
         """Record that a call with these targets was launched (only after its GEMM launched,
