@@ -36,6 +36,11 @@ from dataclasses import dataclass, field
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_to_all")
 OPS = ("sum", "avg")
 MAX_CHUNKS = 64  # counters per context; plans never exceed it
+# Below this many FLOP the planner picks the plain path by itself. Measured on 2x H200
+# (BENCHMARKS.md, 2026-11-22): decode shapes (M = 16, 128; N = 8192; K = 4096; 0.5-8.6 GFLOP)
+# took 0.18-0.29 ms overlapped against 0.03-0.07 ms sequential: the host work of a call
+# (~0.25 ms) is larger than the whole sequential time. 5e10 FLOP is ~0.06 ms of bf16 GEMM.
+MIN_OVERLAP_FLOPS = 5e10
 
 # Tile configs (block_m, block_n, block_k, num_warps, num_stages). 128x256x64 is the prototype's
 # bf16 config on H200 (DESIGN.md); the interpreter gets small tiles so CPU tests stay fast.
@@ -179,6 +184,16 @@ def make_plan(
         return _fallback("world size 1: nothing to communicate", collective, M, N, K, R)
     if M == 0 or N == 0:
         return _fallback("empty product", collective, M, N, K, R)
+    if chunks is None and not interpreter and 2 * M * N * K < MIN_OVERLAP_FLOPS:
+        return _fallback(
+            f"small product ({2 * M * N * K:.2g} FLOP): per-call host work of the overlapped "
+            "path costs more than it can hide; pass chunks= to force it",
+            collective,
+            M,
+            N,
+            K,
+            R,
+        )
     t = tiles_for(M, dtype_bits, interpreter)
     tm, tn = math.ceil(M / t.block_m), math.ceil(N / t.block_n)
     if chunks is None:

@@ -50,6 +50,19 @@ def _suite(rank, R, seed, backend, chunks):
                     count_calls=counts,
                 )
                 failures += [msg] if msg else []
+    for coll in COLLECTIVES:  # decode-sized: the planner's own choice is the plain path
+        msg = check_case(
+            rank,
+            R,
+            f"cuda:{rank}",
+            coll,
+            torch.bfloat16,
+            (16, 4096, 8192),
+            seed + 500,
+            backend=backend,
+            expect="fallback",
+        )
+        failures += [msg] if msg else []
     for coll in ("all_reduce", "reduce_scatter"):  # avg and a plain-layout w
         msg = check_case(
             rank,
@@ -81,7 +94,7 @@ def test_suite_two_gpus(p2p, backend, monkeypatch):
     if p2p == "no_p2p":
         monkeypatch.setenv("NCCL_P2P_DISABLE", "1")  # NCCL through host memory, like PCIe cards
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    spawn(_suite, 2, random.randrange(1 << 30), backend, None, backend="nccl")
+    spawn(_suite, 2, random.randrange(1 << 30), backend, 4, backend="nccl")
 
 
 @pytest.mark.parametrize("wait", ["spin", "stream_wait"])
