@@ -4,33 +4,35 @@ Pure Python (no torch, no Triton), so it is the same on every rank and testable 
 
 Coordinates
 -----------
-The GEMM computes ``P = x_perm @ w`` where ``P`` is ``[M, N]`` in *slot space*: row ``p`` of
-``P`` is row ``x_row(p)`` of ``x``. The kernel stores ``P`` into one flat buffer of ``M * N``
-elements in which every chunk is one contiguous range ("slot").
+The GEMM computes ``P``, ``[M, N]`` in *slot space*: row ``p`` of ``P`` is row ``x_row(p)`` of
+``x``. The kernel stores ``P`` into one flat buffer of ``M * N`` elements in which every chunk is
+one contiguous range ("slot").
 
 Chunks form a grid of ``n_row_bands x n_col_bands``; chunk ``c = a * n_col_bands + b``.
 
-- Row band ``a`` is slot rows ``[a * chunk_rows, a * chunk_rows + rows(a))``; ``chunk_rows`` is a
-  multiple of ``block_m`` so a tile never straddles two row bands.
+- A row band holds ``runs`` runs of consecutive rows of ``x``: ``runs = R`` for reduce-scatter
+  and all-to-all (one run from each rank's block of ``M / R`` rows), ``runs = 1`` for
+  all-reduce. Run ``r`` of band ``a`` is rows ``[r * M / runs + a * run_rows, ... + run_rows(a))``
+  of ``x``; ``run_rows`` is a multiple of ``block_m`` (all bands but the last), so a tile never
+  straddles two runs or two bands and always reads consecutive rows of ``x``.
 - Column band ``b`` is columns ``[b * chunk_cols, b * chunk_cols + cols(b))``; ``chunk_cols`` is
   a multiple of ``block_n``.
-- Slot of chunk (a, b): ``rows(a) x cols(b)`` row-major, starting at element
-  ``a * chunk_rows * N + b * chunk_cols * rows(a)``.
+- Slot of chunk (a, b): ``rows(a) x cols(b)`` row-major (``rows(a) = runs * run_rows(a)``),
+  starting at element ``a * chunk_rows * N + b * chunk_cols * rows(a)``.
 
-With one column band the flat buffer is plain row-major ``P``. Column bands exist for small M
-(decode), where one row band cannot be split.
-
-Row permutation (reduce-scatter, all-to-all): rank ``r`` owns rows ``[r * M_r, (r + 1) * M_r)``
-of the product, ``M_r = M / R``. Row band ``a`` takes rows ``[a * h, a * h + h_a)`` of every
-rank's block, rank-major, so that in each chunk rank ``r``'s share is the contiguous range
-``[r * h_a * cols(b), (r + 1) * h_a * cols(b))`` of the slot, which is exactly how NCCL's
-reduce-scatter and all-to-all split a buffer. ``h = chunk_rows / R`` and ``h_a = rows(a) / R``.
+So with one column band the flat buffer of all-reduce is plain row-major ``x @ w``, and in each
+chunk of reduce-scatter and all-to-all rank ``r``'s share is the contiguous range
+``[r * run_rows(a) * cols(b), (r + 1) * run_rows(a) * cols(b))``: exactly how NCCL's
+reduce-scatter and all-to-all split a buffer. Column bands exist for small M (decode), where
+the rows cannot be split.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+import os
 from dataclasses import dataclass, field
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_to_all")
@@ -66,6 +68,9 @@ def tiles_for(M: int, dtype_bits: int, interpreter: bool) -> Tiles:
     interpreter."""
     if interpreter:
         return Tiles(*_INTERPRETER_TILES)
+    forced = os.environ.get("OVERLAP_TILES")  # "BM,BN,BK,warps,stages": for tuning runs
+    if forced and M > 128:
+        return Tiles(*(int(v) for v in forced.split(",")))
     if M <= 128:
         block_m = 32 if M <= 32 else 64 if M <= 64 else 128
         return Tiles(block_m, _SMALL_M_BLOCK_N, _SMALL_M_BLOCK_K, 4, 4)
@@ -87,14 +92,29 @@ class Plan:
     K: int
     world_size: int
     tiles: Tiles | None = None
-    chunk_rows: int = 0  # slot rows per row band (multiple of block_m)
+    run_rows: int = 0  # rows of x per run in all row bands but the last
     chunk_cols: int = 0  # columns per column band (multiple of block_n)
     group_m: int = 1  # tile-row grouping of the launch order (divides tile rows per band)
     tiles_per_chunk: tuple[int, ...] = field(default=())
 
     @property
+    def runs(self) -> int:
+        """Runs per row band: R for reduce-scatter and all-to-all, 1 for all-reduce."""
+        return self.world_size if self.collective != "all_reduce" else 1
+
+    @property
+    def rank_block_rows(self) -> int:
+        """Rows of x that one run index walks through: ``M / runs``."""
+        return self.M // self.runs
+
+    @property
+    def chunk_rows(self) -> int:
+        """Slot rows of a full row band."""
+        return self.runs * self.run_rows
+
+    @property
     def n_row_bands(self) -> int:
-        return math.ceil(self.M / self.chunk_rows) if self.chunk_rows else 0
+        return math.ceil(self.rank_block_rows / self.run_rows) if self.run_rows else 0
 
     @property
     def n_col_bands(self) -> int:
@@ -105,21 +125,28 @@ class Plan:
         return len(self.tiles_per_chunk)
 
     @property
-    def permute_rows(self) -> bool:
-        return self.collective != "all_reduce"
+    def run_rows_last(self) -> int:
+        return self.rank_block_rows - (self.n_row_bands - 1) * self.run_rows
 
-    @property
-    def rank_rows(self) -> int:
-        """Rows per rank per full row band (``h``); for all-reduce the band height."""
-        return self.chunk_rows // self.world_size if self.permute_rows else self.chunk_rows
+    def band_run_rows(self, a: int) -> int:
+        """Rows per run in row band ``a``."""
+        return self.run_rows_last if a == self.n_row_bands - 1 else self.run_rows
 
     def band_rows(self, a: int) -> int:
         """Slot rows of row band ``a``."""
-        return min(self.chunk_rows, self.M - a * self.chunk_rows)
+        return self.runs * self.band_run_rows(a)
 
     def band_cols(self, b: int) -> int:
         """Columns of column band ``b``."""
         return min(self.chunk_cols, self.N - b * self.chunk_cols)
+
+    def band_tile_rows(self, a: int) -> int:
+        """Tile rows (programs along M) of row band ``a``."""
+        return self.runs * math.ceil(self.band_run_rows(a) / self.tiles.block_m)
+
+    @property
+    def num_tile_rows(self) -> int:
+        return sum(self.band_tile_rows(a) for a in range(self.n_row_bands))
 
     def chunk_slot(self, c: int) -> tuple[int, int, int, int, int]:
         """``(offset, rows, cols, row0, col0)`` of chunk ``c``: its slot starts at element
@@ -132,12 +159,9 @@ class Plan:
 
     def x_row(self, p: int) -> int:
         """Row of ``x`` (and of the standard product) that slot row ``p`` holds."""
-        if not self.permute_rows:
-            return p
         a, q = divmod(p, self.chunk_rows)
-        h_a = self.band_rows(a) // self.world_size
-        r, i = divmod(q, h_a)
-        return r * (self.M // self.world_size) + a * self.rank_rows + i
+        r, i = divmod(q, self.band_run_rows(a))
+        return r * self.rank_block_rows + a * self.run_rows + i
 
     def describe(self) -> str:
         if self.path != "overlap":
@@ -201,53 +225,29 @@ def make_plan(
     elif not 2 <= chunks <= MAX_CHUNKS:
         raise ValueError(f"chunks must be in [2, {MAX_CHUNKS}], got {chunks}")
 
-    # Row bands: a band is a whole number of tile rows; for the permuted collectives also a
-    # multiple of R, so every rank's block of M / R rows splits the same way.
-    step = t.block_m if collective == "all_reduce" else math.lcm(t.block_m, R)
-    units = math.ceil(M / step)
-    chunk_rows = math.ceil(units / min(chunks, units)) * step
+    # Row bands: runs of whole tiles, so every band but the last is a whole number of tile rows.
+    runs = R if collective != "all_reduce" else 1
+    units = math.ceil(M // runs / t.block_m)  # tile rows per run if there were one band
+    run_rows = math.ceil(units / min(chunks, units)) * t.block_m
     chunk_cols = tn * t.block_n
-    if math.ceil(M / chunk_rows) < 2:
+    if math.ceil(M // runs / run_rows) < 2:
         # Too few rows to split: one row band of all M rows, split along N (decode shapes).
         if tn < 2:
             return _fallback(
                 "product has one tile column and too few rows to split", collective, M, N, K, R
             )
-        chunk_rows = tm * t.block_m
+        run_rows = M // runs
         chunk_cols = math.ceil(tn / min(chunks, tn)) * t.block_n
     # Launch order: GROUP_M tile rows at a time; it must divide a band's tile rows so that
     # chunks finish in order.
-    group_m = math.gcd(8, chunk_rows // t.block_m)
-    plan = Plan(
-        "overlap",
-        "",
-        collective,
-        M,
-        N,
-        K,
-        R,
-        t,
-        chunk_rows,
-        chunk_cols,
-        group_m,
-    )
+    plan = Plan("overlap", "", collective, M, N, K, R, t, run_rows, chunk_cols)
+    group_m = math.gcd(8, plan.band_tile_rows(0))
     tiles = tuple(
-        math.ceil(plan.band_rows(a) / t.block_m) * math.ceil(plan.band_cols(b) / t.block_n)
+        plan.band_tile_rows(a) * math.ceil(plan.band_cols(b) / t.block_n)
         for a in range(plan.n_row_bands)
         for b in range(plan.n_col_bands)
     )
     how = "row bands" if plan.n_col_bands == 1 else "column bands (small M)"
-    return Plan(
-        "overlap",
-        f"{len(tiles)} chunks along {how}",
-        collective,
-        M,
-        N,
-        K,
-        R,
-        t,
-        chunk_rows,
-        chunk_cols,
-        group_m,
-        tiles,
+    return dataclasses.replace(
+        plan, reason=f"{len(tiles)} chunks along {how}", group_m=group_m, tiles_per_chunk=tiles
     )

@@ -75,6 +75,7 @@ def _suite(rank, R, seed, backend, chunks):
             op="avg",
             transposed_w=False,
             backend=backend,
+            chunks=chunks,
         )
         failures += [msg] if msg else []
     return failures
