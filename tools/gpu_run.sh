@@ -19,7 +19,7 @@ run_bench() {  # mode-name extra-args...
     2>&1 | grep -v "^W1\|OMP_NUM_THREADS\|^\*\*\*" | tee "$OUT/bench_$name.log"
 }
 if [ "$what" = suite ] || [ "$what" = all ]; then
-  timeout 420 python3 -m pytest -m gpu tests/test_gpu.py -q -x -p no:cacheprovider 2>&1 | tail -40 | tee "$OUT/gpu_suite.log"
+  timeout 420 python3 -m pytest -m gpu tests/test_gpu.py -q -p no:cacheprovider 2>&1 | tail -40 | tee "$OUT/gpu_suite.log"
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   run_bench nvlink
