@@ -20,6 +20,7 @@ before ``overlap`` first launches a kernel (Triton reads it when the kernel is d
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass, field
@@ -91,24 +92,22 @@ def plan(
         ValueError, TypeError: on invalid arguments (the same checks as the call).
     """
     _check(x, w, collective, "sum", "torch")
+    return _plan_checked(x, w, collective, group, chunks)
+
+
+def _plan_checked(x, w, collective, group, chunks) -> Plan:
     M, K, N = math.prod(x.shape[:-1]), x.shape[-1], w.shape[1]
     R = _world(group)
     p = make_plan(
-        M,
-        N,
-        K,
-        world_size=R,
-        collective=collective,
-        dtype_bits=x.element_size() * 8,
-        interpreter=not x.is_cuda,
-        num_sms=_num_sms(x.device),
-        chunks=chunks,
-    )
+        M, N, K, world_size=R, collective=collective, dtype_bits=x.element_size() * 8,
+        interpreter=not x.is_cuda, num_sms=_num_sms(x.device), chunks=chunks,
+    )  # fmt: skip
     if p.path == "overlap" and not x.is_cuda and not _interpreter():
         return Plan("fallback", "CPU tensors and TRITON_INTERPRET is not 1", collective, M, N, K, R)
     return p
 
 
+@functools.lru_cache(maxsize=64)
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 132
@@ -201,7 +200,7 @@ def matmul_collective(
             divisible by R for reduce-scatter and all-to-all.
     """
     _check(x, w, collective, op, backend)
-    p = plan(x, w, collective, group=group, chunks=chunks)
+    p = _plan_checked(x, w, collective, group, chunks)
     R, M, N = p.world_size, p.M, p.N
     shape = _result_shape(x, N, collective, R)
     if out is None:
@@ -228,7 +227,7 @@ def matmul_collective(
     if collective != "all_reduce" and not in_place:
         recv_flat = torch.empty(out2.numel(), dtype=x.dtype, device=x.device)
     targets = ctx.counters.targets(p.tiles_per_chunk)
-    counters = ctx.counters.tensor
+    counters, views = ctx.counters.tensor, ctx.counters.views
     s = ctx.comm_stream
     if s is None:  # CPU: the interpreter runs the kernel to completion, then gloo collectives
         chunked_matmul(x2, w, p_flat, counters, p, scale)
@@ -239,7 +238,7 @@ def matmul_collective(
             p_flat,
             out2,
             recv_flat,
-            lambda c: wait_counter(counters[c : c + 1], targets[c], None),
+            lambda c: wait_counter(views[c], targets[c], None),
         )
         return out
     caller = torch.cuda.current_stream(x.device)
@@ -253,7 +252,7 @@ def matmul_collective(
             p_flat,
             out2,
             recv_flat,
-            lambda c: wait_counter(counters[c : c + 1], targets[c], s),
+            lambda c: wait_counter(views[c], targets[c], s),
         )
     # The caller stream continues after the last collective; buffers allocated on it are
     # therefore free to reuse once this call's work on `s` is done.
@@ -278,15 +277,12 @@ def _plain(
         y.mul_(scale)
     if p.world_size == 1:
         return
-    comm = make_comm("torch", group)
     if p.collective == "all_reduce":
-        comm.all_reduce(out2)
+        dist.all_reduce(out2, group=group)
     elif p.collective == "reduce_scatter":
-        comm.reduce_scatter(out2.view(-1), y.view(-1))
+        dist.reduce_scatter_tensor(out2, y, group=group)
     else:
-        comm.all_to_all(
-            list(out2.view(-1).chunk(p.world_size)), list(y.view(-1).chunk(p.world_size))
-        )
+        dist.all_to_all_single(out2, y, group=group)
 
 
 def matmul_allreduce(

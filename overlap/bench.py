@@ -7,9 +7,10 @@ hidden fraction ``eta = (T_seq - T_overlap) / (T_seq - max(T_gemm, T_comm))``; f
 reduce-scatter also torch's async-TP (``fused_matmul_reduce_scatter``) where it runs. Peak GPU
 memory of the sequential and the overlapped call, and host time per overlapped call.
 
-Timing: CUDA events around each call, ranks lined up by a barrier and a short GPU sleep before
-each timed call (so host launch time is hidden as in a busy training step), median over the
-iterations, max over ranks. Prints a table; rank 0 writes JSON.
+Timing: CUDA events around each call, ranks lined up by a barrier and a ~1 ms GPU sleep before
+each timed call, so the host has queued the whole call before the GPU reaches it, as in a
+training step whose host runs ahead; the host time per call is reported beside it. Median over
+the iterations, max over ranks. Prints a table; rank 0 writes JSON.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def _time(fn, iters: int, warmup: int = 3) -> float:
     for _ in range(iters):
         dist.barrier()
         torch.cuda.synchronize()
-        torch.cuda._sleep(200_000)  # ~100 us: the host queues the call before the GPU reaches it
+        torch.cuda._sleep(2_000_000)  # ~1 ms: the host queues the call before the GPU reaches it
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()

@@ -44,10 +44,13 @@ MAX_CHUNKS = 64  # counters per context; plans never exceed it
 # (~0.25 ms) is larger than the whole sequential time. 5e10 FLOP is ~0.06 ms of bf16 GEMM.
 MIN_OVERLAP_FLOPS = 5e10
 
-# Tile configs (block_m, block_n, block_k, num_warps, num_stages). 128x256x64 is the prototype's
-# bf16 config on H200 (DESIGN.md); the interpreter gets small tiles so CPU tests stay fast.
-_GPU_TILES_16BIT = (128, 256, 64, 8, 3)
-_GPU_TILES_FP32 = (128, 128, 32, 8, 3)
+# Tile configs (block_m, block_n, block_k, num_warps, num_stages); the interpreter gets small
+# tiles so CPU tests stay fast. Measured on H200 (tools/gemm_sweep.py, BENCHMARKS.md), bf16
+# 4096x8192x4096 with w = weight.t() and TMA loads: 256x128x64/8 warps/3 stages 0.40-0.42 ms,
+# 128x256x64 0.43-0.47, 128x128x64 0.43-0.45; cuBLAS 0.34. fp32 (as tf32x3): 128x64x32/4/4
+# 0.79 ms, 128x128x32/8/3 0.88; cuBLAS fp32 1.36.
+_GPU_TILES_16BIT = (256, 128, 64, 8, 3)
+_GPU_TILES_FP32 = (128, 64, 32, 4, 4)
 _INTERPRETER_TILES = (32, 32, 32, 4, 1)
 # Decode shapes (M <= 128): narrow tiles so that N alone yields enough programs to fill the GPU
 # (N = 8192 gives 128 tiles of 64 columns; 256-wide tiles would give 32 for 132 SMs).
@@ -65,16 +68,18 @@ class Tiles:
 
 def tiles_for(M: int, dtype_bits: int, interpreter: bool) -> Tiles:
     """Tile config for ``M`` rows of an element size in bits, on the GPU or in the Triton
-    interpreter."""
+    interpreter. ``OVERLAP_TILES="BM,BN,BK,warps,stages"`` overrides the 16-bit config for
+    M > 128 (tuning runs)."""
     if interpreter:
         return Tiles(*_INTERPRETER_TILES)
-    forced = os.environ.get("OVERLAP_TILES")  # "BM,BN,BK,warps,stages": for tuning runs
-    if forced and M > 128:
-        return Tiles(*(int(v) for v in forced.split(",")))
     if M <= 128:
         block_m = 32 if M <= 32 else 64 if M <= 64 else 128
-        return Tiles(block_m, _SMALL_M_BLOCK_N, _SMALL_M_BLOCK_K, 4, 4)
-    return Tiles(*(_GPU_TILES_FP32 if dtype_bits == 32 else _GPU_TILES_16BIT))
+        block_k = _SMALL_M_BLOCK_K if dtype_bits == 16 else 32
+        return Tiles(block_m, _SMALL_M_BLOCK_N, block_k, 4, 4)
+    if dtype_bits == 32:
+        return Tiles(*_GPU_TILES_FP32)
+    forced = os.environ.get("OVERLAP_TILES")
+    return Tiles(*(int(v) for v in forced.split(","))) if forced else Tiles(*_GPU_TILES_16BIT)
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,10 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   run_bench nvlink
   NCCL_P2P_DISABLE=1 run_bench no_p2p
 fi
-if [ "$what" = sweep ]; then
-  run_bench sweep_nvlink --collectives all_reduce --chunks 2,4,8,16 --iters 10 --shapes 4096x8192x4096,16384x8192x4096,8192x8192x14336
-  NCCL_P2P_DISABLE=1 run_bench sweep_no_p2p --collectives all_reduce --chunks 2,4,8,16 --iters 10 --shapes 4096x8192x4096,8192x8192x14336
-  run_bench cupy_nvlink --backend cupy --collectives all_reduce,reduce_scatter --iters 10
+if [ "$what" = sweep ]; then  # chunk counts x backends, to choose the defaults
+  big=4096x8192x4096,8192x8192x14336,16384x8192x4096,8192x4096x4096
+  for b in torch cupy; do
+    run_bench sweep_nvlink_$b --backend $b --collectives all_reduce,reduce_scatter --chunks 2,4,8 --iters 10 --shapes $big
+    NCCL_P2P_DISABLE=1 run_bench sweep_no_p2p_$b --backend $b --collectives all_reduce,reduce_scatter --chunks 2,4,8 --iters 10 --shapes 4096x8192x4096,8192x8192x14336
+  done
 fi

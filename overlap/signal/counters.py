@@ -33,6 +33,7 @@ class ChunkCounters:
         # `start` lets tests begin near the wrap-around point.
         signed = start - (1 << 32) if start >= 1 << 31 else start
         self.tensor = torch.full((MAX_CHUNKS,), signed, dtype=torch.int32, device=device)
+        self.views = list(self.tensor.split(1))  # one-element view per counter, made once
         self.expected = [start & _MASK] * MAX_CHUNKS
 
     def targets(self, tiles_per_chunk: tuple[int, ...]) -> list[int]:
