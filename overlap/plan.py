@@ -223,6 +223,12 @@ def make_plan(
             K,
             R,
         )
+    if chunks is None and not interpreter and collective == "all_to_all":
+        return _fallback(
+            "all-to-all: per-chunk all-to-all measured 0.53-0.99x of sequential with NVLink "
+            "(BENCHMARKS.md); pass chunks= to force it",
+            collective, M, N, K, R,
+        )  # fmt: skip
     t = tiles_for(M, dtype_bits, interpreter)
     tm, tn = math.ceil(M / t.block_m), math.ceil(N / t.block_n)
     if chunks is None:

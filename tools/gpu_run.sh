@@ -25,6 +25,14 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   run_bench nvlink
   NCCL_P2P_DISABLE=1 run_bench no_p2p
 fi
+if [ "$what" = final ]; then
+  timeout 250 python3 -m pytest -m gpu tests/test_gpu.py -q -p no:cacheprovider 2>&1 | tail -30 | tee "$OUT/gpu_suite.log"
+  run_bench nvlink
+  NCCL_P2P_DISABLE=1 run_bench no_p2p
+  big=4096x8192x4096,8192x8192x14336,16384x8192x4096,8192x4096x4096
+  run_bench a2a_nvlink --collectives all_to_all --chunks 4 --shapes $big --iters 10
+  NCCL_P2P_DISABLE=1 run_bench a2a_no_p2p --collectives all_to_all --chunks 4 --shapes $big --iters 10
+fi
 if [ "$what" = sweep ]; then  # chunk counts x backends, to choose the defaults
   big=4096x8192x4096,8192x8192x14336,16384x8192x4096,8192x4096x4096
   for b in torch cupy; do
