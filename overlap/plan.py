@@ -206,6 +206,8 @@ def make_plan(
     """
     if collective not in COLLECTIVES:
         raise ValueError(f"collective must be one of {COLLECTIVES}, got {collective!r}")
+    if chunks is not None and not 2 <= chunks <= MAX_CHUNKS:
+        raise ValueError(f"chunks must be in [2, {MAX_CHUNKS}], got {chunks}")
     R = world_size
     if collective != "all_reduce" and M % R:
         raise ValueError(f"{collective} needs M ({M}) divisible by the world size ({R})")
@@ -233,8 +235,6 @@ def make_plan(
     tm, tn = math.ceil(M / t.block_m), math.ceil(N / t.block_n)
     if chunks is None:
         chunks = max(2, min(8, round(tm * tn / (2 * num_sms))))
-    elif not 2 <= chunks <= MAX_CHUNKS:
-        raise ValueError(f"chunks must be in [2, {MAX_CHUNKS}], got {chunks}")
 
     # Row bands: runs of whole tiles, so every band but the last is a whole number of tile rows.
     runs = R if collective != "all_reduce" else 1

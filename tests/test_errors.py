@@ -1,0 +1,76 @@
+"""No devices: bad arguments get a clear TypeError/ValueError naming the argument; world size 1
+(torch.distributed not initialized) is the plain matmul."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import overlap
+
+
+def _xw(M=8, K=16, N=12, dtype=torch.float32):
+    return torch.randn(M, K, dtype=dtype), torch.randn(K, N, dtype=dtype)
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        (dict(collective="gather"), ValueError, "collective"),
+        (dict(op="max"), ValueError, "op"),
+        (dict(collective="all_to_all", op="avg"), ValueError, "op"),
+        (dict(backend="mpi"), ValueError, "backend"),
+        (dict(chunks=1), ValueError, "chunks"),
+    ],
+)
+def test_bad_options(kwargs, exc, match):
+    x, w = _xw()
+    with pytest.raises(exc, match=match):
+        overlap.matmul_collective(x, w, **kwargs)
+
+
+def test_bad_tensors():
+    x, w = _xw()
+    with pytest.raises(TypeError, match="x must be"):
+        overlap.matmul_allreduce(x.numpy(), w)
+    with pytest.raises(TypeError, match="w must be"):
+        overlap.matmul_allreduce(x, [1.0])
+    with pytest.raises(ValueError, match="w must be 2-D"):
+        overlap.matmul_allreduce(x, w[0])
+    with pytest.raises(ValueError, match="K mismatch"):
+        overlap.matmul_allreduce(x, torch.randn(15, 12))
+    with pytest.raises(TypeError, match="w.dtype"):
+        overlap.matmul_allreduce(x, w.half())
+    with pytest.raises(TypeError, match="x.dtype"):
+        overlap.matmul_allreduce(x.double(), w.double())
+    with pytest.raises(TypeError, match="x.dtype"):
+        overlap.matmul_allreduce(x.int(), w.int())
+    with pytest.raises(ValueError, match="x must have"):
+        overlap.matmul_allreduce(torch.tensor(1.0), w)
+    with pytest.raises(ValueError, match="on meta"):
+        overlap.matmul_allreduce(x, w.to("meta"))
+
+
+def test_bad_out():
+    x, w = _xw()
+    with pytest.raises(ValueError, match="out must have shape"):
+        overlap.matmul_allreduce(x, w, out=torch.empty(8, 13))
+    with pytest.raises(TypeError, match="out.dtype"):
+        overlap.matmul_allreduce(x, w, out=torch.empty(8, 12, dtype=torch.float16))
+    with pytest.raises(ValueError, match="contiguous"):
+        overlap.matmul_allreduce(x, w, out=torch.empty(12, 8).t())
+    with pytest.raises(TypeError, match="out must be"):
+        overlap.matmul_allreduce(x, w, out=[0.0])
+
+
+@pytest.mark.parametrize("collective", overlap.COLLECTIVES)
+def test_world_size_one_is_the_plain_matmul(collective):
+    assert not torch.distributed.is_initialized()
+    x, w = torch.randn(2, 5, 16), torch.randn(12, 16).t()
+    p = overlap.plan(x, w, collective)
+    assert p.path == "fallback" and "world size 1" in p.reason
+    out = torch.full((10, 12) if collective == "reduce_scatter" else (2, 5, 12), float("nan"))
+    got = overlap.matmul_collective(x, w, collective, out=out)
+    ref = (x.double() @ w.double()).reshape(out.shape)
+    assert got is out and not torch.isnan(got).any()
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)

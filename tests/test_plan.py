@@ -1,0 +1,98 @@
+"""No devices: properties of the chunk plan (hypothesis) and the planner's choices."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from overlap.plan import COLLECTIVES, MAX_CHUNKS, make_plan
+
+
+@st.composite
+def plans(draw):
+    R = draw(st.sampled_from([2, 3, 4, 8]))
+    collective = draw(st.sampled_from(COLLECTIVES))
+    M = draw(st.integers(1, 600))
+    if collective != "all_reduce":
+        M = R * max(1, M // R)
+    N = draw(st.integers(1, 500))
+    K = draw(st.integers(1, 64))
+    chunks = draw(st.integers(2, 12))
+    interp = draw(st.booleans())
+    return make_plan(
+        M,
+        N,
+        K,
+        world_size=R,
+        collective=collective,
+        dtype_bits=16,
+        interpreter=interp,
+        chunks=chunks,
+    )
+
+
+@settings(max_examples=300, deadline=None)
+@given(plans())
+def test_slots_tile_the_buffer_and_rows_are_a_permutation(p):
+    if p.path != "overlap":
+        return
+    M, N, t = p.M, p.N, p.tiles
+    assert 2 <= p.n_chunks <= MAX_CHUNKS
+    # chunk slots partition [0, M * N): every element written exactly once
+    spans = sorted(
+        (off, off + rows * cols)
+        for off, rows, cols, _, _ in (p.chunk_slot(c) for c in range(p.n_chunks))
+    )
+    assert spans[0][0] == 0 and spans[-1][1] == M * N
+    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False))
+    # slot rows map onto the rows of x one to one
+    assert sorted(p.x_row(q) for q in range(M)) == list(range(M))
+    # tiles: every band but the last is whole tiles of every run; counts add up
+    for a in range(p.n_row_bands - 1):
+        assert p.band_run_rows(a) % t.block_m == 0
+    for b in range(p.n_col_bands - 1):
+        assert p.band_cols(b) % t.block_n == 0
+    assert sum(p.tiles_per_chunk) == p.num_tile_rows * math.ceil(N / t.block_n)
+    # a rank's share of each chunk is its own rows, contiguous, in order
+    if p.collective != "all_reduce":
+        Mr = M // p.world_size
+        for c in range(p.n_chunks):
+            _, rows, _, row0, _ = p.chunk_slot(c)
+            h = rows // p.world_size
+            for r in range(p.world_size):
+                got = [p.x_row(row0 + r * h + i) for i in range(h)]
+                assert got == list(range(got[0], got[0] + h))
+                assert r * Mr <= got[0] and got[-1] < (r + 1) * Mr
+
+
+def test_default_plans_for_the_bench_shapes():
+    p = make_plan(4096, 8192, 4096, world_size=2, collective="all_reduce", dtype_bits=16)
+    assert p.path == "overlap" and p.n_chunks == 4 and p.n_col_bands == 1
+    p = make_plan(16384, 8192, 4096, world_size=2, collective="reduce_scatter", dtype_bits=16)
+    assert p.path == "overlap" and p.n_chunks == 8 and p.chunk_rows == 2048 and p.run_rows == 1024
+
+
+@pytest.mark.parametrize("collective", COLLECTIVES)
+def test_plain_path_choices(collective):
+    small = make_plan(16, 8192, 4096, world_size=2, collective=collective, dtype_bits=16)
+    assert small.path == "fallback" and "small product" in small.reason
+    forced = make_plan(16, 8192, 4096, world_size=2, collective=collective, dtype_bits=16, chunks=2)
+    assert forced.path == "overlap" and forced.n_col_bands == 2 and forced.n_row_bands == 1
+    one = make_plan(4096, 8192, 4096, world_size=1, collective=collective, dtype_bits=16)
+    assert one.path == "fallback" and "world size 1" in one.reason
+    tiny = make_plan(
+        30, 20, 8, world_size=2, collective=collective, dtype_bits=16, interpreter=True, chunks=2
+    )
+    assert tiny.path == "fallback" and "too few rows" in tiny.reason
+
+
+def test_bad_plan_arguments():
+    with pytest.raises(ValueError, match="collective"):
+        make_plan(8, 8, 8, world_size=2, collective="gather", dtype_bits=16)
+    with pytest.raises(ValueError, match="divisible"):
+        make_plan(5, 8, 8, world_size=2, collective="reduce_scatter", dtype_bits=16)
+    with pytest.raises(ValueError, match="chunks"):
+        make_plan(4096, 8, 8, world_size=2, collective="all_reduce", dtype_bits=16, chunks=1)
