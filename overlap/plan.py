@@ -64,6 +64,7 @@ class Tiles:
     block_k: int
     num_warps: int
     num_stages: int
+    warp_specialize: bool = False
 
 
 def tiles_for(M: int, dtype_bits: int, interpreter: bool) -> Tiles:
@@ -79,7 +80,9 @@ def tiles_for(M: int, dtype_bits: int, interpreter: bool) -> Tiles:
     if dtype_bits == 32:
         return Tiles(*_GPU_TILES_FP32)
     forced = os.environ.get("OVERLAP_TILES")
-    return Tiles(*(int(v) for v in forced.split(","))) if forced else Tiles(*_GPU_TILES_16BIT)
+    if forced:  # "BM,BN,BK,warps,stages[,warp_specialize]"
+        return Tiles(*(int(v) for v in forced.split(",")))
+    return Tiles(*_GPU_TILES_16BIT)
 
 
 @dataclass(frozen=True)
