@@ -20,6 +20,7 @@ import json
 import os
 import statistics
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -36,24 +37,28 @@ SHAPES = [
 ]
 
 
-def _time(fn, iters: int, warmup: int = 3) -> float:
-    """Median milliseconds of ``fn()`` over ``iters`` calls, max over ranks."""
-    for _ in range(warmup):
-        fn()
-    times = []
+def _time_all(fns: dict, iters: int, warmup: int = 3) -> dict:
+    """Median milliseconds of each ``fns[name]()``, max over ranks. The functions take turns
+    in every iteration, so slow drifts of clocks or of the other rank hit them all alike."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times: dict = {name: [] for name in fns}
     for _ in range(iters):
-        dist.barrier()
-        torch.cuda.synchronize()
-        torch.cuda._sleep(2_000_000)  # ~1 ms: the host queues the call before the GPU reaches it
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    t = torch.tensor([statistics.median(times)], device="cuda")
+        for name, fn in fns.items():
+            dist.barrier()
+            torch.cuda.synchronize()
+            torch.cuda._sleep(2_000_000)  # ~1 ms: the host queues the call before the GPU gets it
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end))
+    t = torch.tensor([statistics.median(v) for v in times.values()], device="cuda")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
+    return dict(zip(fns, t.tolist(), strict=True))
 
 
 def _peak_mb(fn) -> float:
@@ -79,7 +84,9 @@ def _async_tp(x, w, group):
     try:
         from torch.distributed._symmetric_memory import enable_symm_mem_for_group
 
-        enable_symm_mem_for_group(group.group_name)
+        with warnings.catch_warnings():  # deprecated (and unneeded) in newer torch
+            warnings.simplefilter("ignore")
+            enable_symm_mem_for_group(group.group_name)
         fn = torch.ops.symm_mem.fused_matmul_reduce_scatter
         fn(x, w, "sum", scatter_dim=0, group_name=group.group_name)
         return lambda: fn(x, w, "sum", scatter_dim=0, group_name=group.group_name)
@@ -116,19 +123,23 @@ def bench_one(shape: str, coll: str, iters: int, backend: str, chunks: int | Non
         "plan": p.describe(),
         "chunks": p.n_chunks,
     }
-    row["gemm_cublas"] = _time(lambda: torch.matmul(x, w, out=y), iters)
+    fns = {"gemm_cublas": lambda: torch.matmul(x, w, out=y)}
     if p.path == "overlap":
         from overlap.gemm import chunked_matmul
         from overlap.signal import ChunkCounters
 
         counters = ChunkCounters(dev)
         p_flat = torch.empty(M * N, device=dev, dtype=torch.bfloat16)
-        row["gemm_overlap_kernel"] = _time(
-            lambda: chunked_matmul(x, w, p_flat, counters.tensor, p), iters
-        )
-    row["comm"] = _time(lambda: _collective(coll, y, out, group), iters)
-    row["sequential"] = _time(seq, iters)
-    row["overlap"] = _time(ovl, iters)
+        fns["gemm_overlap_kernel"] = lambda: chunked_matmul(x, w, p_flat, counters.tensor, p)
+    fns["comm"] = lambda: _collective(coll, y, out, group)
+    fns["sequential"] = seq
+    fns["overlap"] = ovl
+    if coll == "reduce_scatter":
+        fused = _async_tp(x, w, group)
+        row["async_tp"] = None
+        if fused is not None:
+            fns["async_tp"] = fused
+    row.update(_time_all(fns, iters))
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(10):
@@ -137,9 +148,6 @@ def bench_one(shape: str, coll: str, iters: int, backend: str, chunks: int | Non
     torch.cuda.synchronize()
     row["peak_mb_sequential"] = _peak_mb(seq)
     row["peak_mb_overlap"] = _peak_mb(ovl)
-    if coll == "reduce_scatter":
-        fused = _async_tp(x, w, group)
-        row["async_tp"] = _time(fused, iters) if fused else None
     limit = max(row["gemm_cublas"], row["comm"])
     row["speedup"] = row["sequential"] / row["overlap"]
     hideable = row["sequential"] - limit

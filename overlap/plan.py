@@ -45,11 +45,12 @@ MAX_CHUNKS = 64  # counters per context; plans never exceed it
 MIN_OVERLAP_FLOPS = 5e10
 
 # Tile configs (block_m, block_n, block_k, num_warps, num_stages); the interpreter gets small
-# tiles so CPU tests stay fast. Measured on H200 (tools/gemm_sweep.py, BENCHMARKS.md), bf16
-# 4096x8192x4096 with w = weight.t() and TMA loads: 256x128x64/8 warps/3 stages 0.40-0.42 ms,
-# 128x256x64 0.43-0.47, 128x128x64 0.43-0.45; cuBLAS 0.34. fp32 (as tf32x3): 128x64x32/4/4
-# 0.79 ms, 128x128x32/8/3 0.88; cuBLAS fp32 1.36.
-_GPU_TILES_16BIT = (256, 128, 64, 8, 3)
+# tiles so CPU tests stay fast. Measured on H200 (tools/gemm_sweep.py, BENCHMARKS.md), bf16,
+# w = weight.t(), TMA loads, sum over the four bench shapes: 256x128x64/8 warps/4 stages
+# 5.29 ms, 3 stages 5.34, 128x128x64/8/4 with warp specialization 5.66, 128x256x64/8/4 6.14;
+# cuBLAS 5.02. fp32 (as tf32x3) 2048x4096x4096: 128x64x32/4/4 0.79 ms, 128x128x32/8/3 0.88;
+# cuBLAS fp32 1.36.
+_GPU_TILES_16BIT = (256, 128, 64, 8, 4)
 _GPU_TILES_FP32 = (128, 64, 32, 4, 4)
 _INTERPRETER_TILES = (32, 32, 32, 4, 1)
 # Decode shapes (M <= 128): narrow tiles so that N alone yields enough programs to fill the GPU
@@ -64,7 +65,6 @@ class Tiles:
     block_k: int
     num_warps: int
     num_stages: int
-    warp_specialize: bool = False
 
 
 def tiles_for(M: int, dtype_bits: int, interpreter: bool) -> Tiles:
@@ -80,7 +80,7 @@ def tiles_for(M: int, dtype_bits: int, interpreter: bool) -> Tiles:
     if dtype_bits == 32:
         return Tiles(*_GPU_TILES_FP32)
     forced = os.environ.get("OVERLAP_TILES")
-    if forced:  # "BM,BN,BK,warps,stages[,warp_specialize]"
+    if forced:
         return Tiles(*(int(v) for v in forced.split(",")))
     return Tiles(*_GPU_TILES_16BIT)
 

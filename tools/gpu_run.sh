@@ -26,9 +26,10 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   NCCL_P2P_DISABLE=1 run_bench no_p2p
 fi
 if [ "$what" = final ]; then
+  timeout 120 python3 examples/tp_linear.py 2>&1 | grep -v "^W1\|OMP_NUM\|^\*\*\*" | tee "$OUT/example.log"
   timeout 250 python3 -m pytest -m gpu tests/test_gpu.py -q -p no:cacheprovider 2>&1 | tail -30 | tee "$OUT/gpu_suite.log"
-  run_bench nvlink
-  NCCL_P2P_DISABLE=1 run_bench no_p2p
+  run_bench nvlink --iters 30
+  NCCL_P2P_DISABLE=1 run_bench no_p2p --iters 30
   big=4096x8192x4096,8192x8192x14336,16384x8192x4096,8192x4096x4096
   run_bench a2a_nvlink --collectives all_to_all --chunks 4 --shapes $big --iters 10
   NCCL_P2P_DISABLE=1 run_bench a2a_no_p2p --collectives all_to_all --chunks 4 --shapes $big --iters 10

@@ -37,7 +37,7 @@ def _chunked_matmul_kernel(
     CHUNK_COLS,
     N_COL_BANDS, scale,
     RUNS: tl.constexpr, X_DESC: tl.constexpr, W_MODE: tl.constexpr,
-    HAS_SCALE: tl.constexpr, PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    HAS_SCALE: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(axis=0)
@@ -77,7 +77,7 @@ def _chunked_matmul_kernel(
         w_ptrs = w_ref + (offs_k[:, None] * stride_wk + offs_wn[None, :] * stride_wn)
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in tl.range(0, tl.cdiv(K, BLOCK_K), warp_specialize=WARP_SPECIALIZE):
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
         if X_DESC:
             a = x_ref.load([x_row0, k * BLOCK_K])  # TMA zero-fills past the edges
         else:
@@ -165,8 +165,6 @@ def chunked_matmul(
         1.0 if scale is None else scale,
         RUNS=plan.runs, X_DESC=x_ref is not x, W_MODE=w_mode,
         HAS_SCALE=scale is not None, PRECISION=precision,
-        # warp specialization (Hopper: producer/consumer warps) needs TMA loads
-        WARP_SPECIALIZE=t.warp_specialize and x_ref is not x and w_mode != W_POINTER,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=plan.group_m,
         num_warps=t.num_warps, num_stages=t.num_stages,
     )  # fmt: skip
