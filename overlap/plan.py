@@ -228,16 +228,13 @@ def make_plan(
             K,
             R,
         )
-    if chunks is None and not interpreter and collective == "all_to_all":
-        return _fallback(
-            "all-to-all: per-chunk all-to-all measured 0.53-0.99x of sequential with NVLink "
-            "(BENCHMARKS.md); pass chunks= to force it",
-            collective, M, N, K, R,
-        )  # fmt: skip
     t = tiles_for(M, dtype_bits, interpreter)
     tm, tn = math.ceil(M / t.block_m), math.ceil(N / t.block_n)
     if chunks is None:
-        chunks = max(2, min(8, round(tm * tn / (2 * num_sms))))
+        # All-to-all: 4 chunks measured 1.01-1.24x over sequential on the bench shapes (2x H200,
+        # BENCHMARKS.md); more chunks were not measured, so they are not chosen by default.
+        most = 4 if collective == "all_to_all" else 8
+        chunks = max(2, min(most, round(tm * tn / (2 * num_sms))))
 
     # Row bands: runs of whole tiles, so every band but the last is a whole number of tile rows.
     runs = R if collective != "all_reduce" else 1

@@ -1,0 +1,36 @@
+"""Markdown table of one or more ``python -m overlap.bench`` JSON files.
+
+Usage: python tools/bench_table.py bench_results/bench_nvlink.json [...]
+"""
+
+import json
+import sys
+
+
+def _f(v, fmt="{:.3f}"):
+    return "-" if v is None else fmt.format(v)
+
+
+def main(paths):
+    print(
+        "| mode | shape | collective | chunks | cuBLAS | our GEMM | comm | sequential | "
+        "overlap | speedup | eta | async-TP | host ms/call | peak MB seq/ovl |"
+    )
+    print("|" + "---|" * 14)
+    for path in paths:
+        d = json.load(open(path))
+        mode = "NVLink" if d["meta"]["mode"] == "default" else "no P2P"
+        for r in d["rows"]:
+            chunks = r["chunks"] or "plain"
+            print(
+                f"| {mode} | {r['shape']} | {r['collective']} | {chunks} | "
+                f"{_f(r['gemm_cublas'])} | {_f(r.get('gemm_overlap_kernel'))} | "
+                f"{_f(r['comm'])} | {_f(r['sequential'])} | {_f(r['overlap'])} | "
+                f"{_f(r['speedup'], '{:.2f}')} | {_f(r['eta'], '{:.2f}')} | "
+                f"{_f(r.get('async_tp'))} | {_f(r['host_ms_per_call'], '{:.2f}')} | "
+                f"{r['peak_mb_sequential']:.0f}/{r['peak_mb_overlap']:.0f} |"
+            )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
