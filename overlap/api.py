@@ -20,6 +20,7 @@ before ``overlap`` first launches a kernel (Triton reads it when the kernel is d
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -68,6 +69,11 @@ def _check(x: torch.Tensor, w: torch.Tensor, collective: str, op: str, backend: 
         raise TypeError(f"w.dtype ({w.dtype}) must equal x.dtype ({x.dtype})")
     if w.device != x.device:
         raise ValueError(f"w is on {w.device} but x is on {x.device}")
+    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+        raise ValueError(
+            "x or w requires grad: overlap has no backward yet; call it under torch.no_grad() "
+            "or on detached tensors"
+        )
     if x.shape[-1] != w.shape[0]:
         raise ValueError(
             f"K mismatch: x is {tuple(x.shape)} ([..., K]), w is {tuple(w.shape)} ([K, N])"
@@ -227,36 +233,22 @@ def matmul_collective(
     if collective != "all_reduce" and not in_place:
         recv_flat = torch.empty(out2.numel(), dtype=x.dtype, device=x.device)
     targets = ctx.counters.targets(p.tiles_per_chunk)
-    counters, views = ctx.counters.tensor, ctx.counters.views
-    s = ctx.comm_stream
-    if s is None:  # CPU: the interpreter runs the kernel to completion, then gloo collectives
-        chunked_matmul(x2, w, p_flat, counters, p, scale)
+    views = ctx.counters.views
+    s = ctx.comm_stream  # None on CPU: the interpreter runs the kernel to completion, then gloo
+    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+        if s is not None:
+            caller = torch.cuda.current_stream(x.device)
+            s.wait_stream(caller)  # inputs and buffers are ready before `s` touches them
+        chunked_matmul(x2, w, p_flat, ctx.counters.tensor, p, scale)
         ctx.counters.commit(targets)
-        run_chunks(
-            p,
-            comm,
-            p_flat,
-            out2,
-            recv_flat,
-            lambda c: wait_counter(views[c], targets[c], None),
-        )
-        return out
-    caller = torch.cuda.current_stream(x.device)
-    s.wait_stream(caller)  # buffers and inputs are ready before the comm stream touches them
-    chunked_matmul(x2, w, p_flat, counters, p, scale)
-    ctx.counters.commit(targets)
-    with torch.cuda.stream(s):
-        run_chunks(
-            p,
-            comm,
-            p_flat,
-            out2,
-            recv_flat,
-            lambda c: wait_counter(views[c], targets[c], s),
-        )
-    # The caller stream continues after the last collective; buffers allocated on it are
-    # therefore free to reuse once this call's work on `s` is done.
-    caller.wait_stream(s)
+        with torch.cuda.stream(s):
+            run_chunks(
+                p, comm, p_flat, out2, recv_flat, lambda c: wait_counter(views[c], targets[c], s)
+            )
+        if s is not None:
+            # The caller continues after the last collective, so buffers allocated on it are
+            # free to reuse once this call's work on `s` is done.
+            caller.wait_stream(s)
     return out
 
 
