@@ -38,11 +38,12 @@ from dataclasses import dataclass, field
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_to_all")
 OPS = ("sum", "avg")
 MAX_CHUNKS = 64  # counters per context; plans never exceed it
-# Below this many FLOP the planner picks the plain path by itself. Measured on 2x H200
-# (BENCHMARKS.md, 2026-11-22): decode shapes (M = 16, 128; N = 8192; K = 4096; 0.5-8.6 GFLOP)
-# took 0.18-0.29 ms overlapped against 0.03-0.07 ms sequential: the host work of a call
-# (~0.25 ms) is larger than the whole sequential time. 5e10 FLOP is ~0.06 ms of bf16 GEMM.
-MIN_OVERLAP_FLOPS = 5e10
+# Below this many FLOP the planner picks the plain path by itself: the host must stay ahead of
+# the GPU. Measured on 2x H200 (BENCHMARKS.md, 2026-11-22): an overlapped call costs 0.37-0.57
+# ms of host time (4-8 chunks), 0.25 ms with 2; decode shapes (M = 16, 128; N = 8192,
+# K = 4096) took 0.18-0.29 ms overlapped against 0.03-0.07 ms sequential. 2e11 FLOP is about
+# 0.27 ms of bf16 GEMM on an H200; the smallest bench shape (4096x8192x4096) has 2.7e11.
+MIN_OVERLAP_FLOPS = 2e11
 
 # Tile configs (block_m, block_n, block_k, num_warps, num_stages); the interpreter gets small
 # tiles so CPU tests stay fast. Measured on H200 (tools/gemm_sweep.py, BENCHMARKS.md), bf16,

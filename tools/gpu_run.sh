@@ -16,7 +16,7 @@ cat "$OUT/env.txt"
 run_bench() {  # mode-name extra-args...
   local name=$1; shift
   timeout 240 torchrun --nproc-per-node=2 -m overlap.bench --out "$OUT/bench_$name.json" "$@" \
-    2>&1 | grep -v "^W1\|OMP_NUM_THREADS\|^\*\*\*" | tee "$OUT/bench_$name.log"
+    2>&1 | grep -v "^W1\|OMP_NUM_THREADS\|^\*\*\*"  # the JSON holds every number
 }
 if [ "$what" = suite ] || [ "$what" = all ]; then
   timeout 420 python3 -m pytest -m gpu tests/test_gpu.py -q -p no:cacheprovider 2>&1 | tail -40 | tee "$OUT/gpu_suite.log"
@@ -33,6 +33,16 @@ if [ "$what" = final ]; then
   big=4096x8192x4096,8192x8192x14336,16384x8192x4096,8192x4096x4096
   run_bench a2a_nvlink --collectives all_to_all --chunks 4 --shapes $big --iters 10
   NCCL_P2P_DISABLE=1 run_bench a2a_no_p2p --collectives all_to_all --chunks 4 --shapes $big --iters 10
+fi
+if [ "$what" = verify ]; then  # after GPU code changed: correctness first, then extra rows
+  timeout 120 python3 examples/tp_linear.py 2>&1 | grep -v "^W1\|OMP_NUM\|^\*\*\*" | tee "$OUT/example.log"
+  timeout 250 python3 -m pytest -m gpu tests/test_gpu.py -q -p no:cacheprovider 2>&1 | tail -30 | tee "$OUT/gpu_suite.log"
+  dec=16x8192x4096,128x8192x4096
+  run_bench decode_nvlink --shapes $dec --iters 200
+  NCCL_P2P_DISABLE=1 run_bench decode_no_p2p --shapes $dec --iters 200
+  big=4096x8192x4096,8192x8192x14336,16384x8192x4096,8192x4096x4096
+  run_bench a2a_default_nvlink --collectives all_to_all --shapes $big --iters 10
+  NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 run_bench net_transport --collectives all_reduce,reduce_scatter --shapes $big --iters 10
 fi
 if [ "$what" = sweep ]; then  # chunk counts x backends, to choose the defaults
   big=4096x8192x4096,8192x8192x14336,16384x8192x4096,8192x4096x4096
