@@ -171,7 +171,9 @@ def main(argv: list[str] | None = None) -> None:
     local = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local))
-    mode = "no_p2p" if os.environ.get("NCCL_P2P_DISABLE") == "1" else "default"
+    mode = "default"
+    if os.environ.get("NCCL_P2P_DISABLE") == "1":
+        mode = "net" if os.environ.get("NCCL_SHM_DISABLE") == "1" else "no_p2p"
     chunk_list = [int(c) for c in args.chunks.split(",") if c] or [None]
     rows = []
     for shape in args.shapes.split(","):

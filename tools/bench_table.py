@@ -19,7 +19,7 @@ def main(paths):
     print("|" + "---|" * 14)
     for path in paths:
         d = json.load(open(path))
-        mode = "NVLink" if d["meta"]["mode"] == "default" else "no P2P"
+        mode = {"default": "NVLink", "no_p2p": "no P2P", "net": "net"}[d["meta"]["mode"]]
         for r in d["rows"]:
             chunks = r["chunks"] or "plain"
             print(
