@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call: environment, GPU test suite, benchmarks. Results under $OUT (or ./gpu_out).
-# Usage on a 2-GPU machine: bash tools/gpu_run.sh [suite|bench|sweep|all]
+# Usage on a 2-GPU machine: bash tools/gpu_run.sh [suite|bench|all|final|verify|sweep]
+#   final: example, suite, main bench; verify: example, suite, decode/all-to-all/socket rows
 set -u
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -18,34 +19,38 @@ run_bench() {  # mode-name extra-args...
   timeout 240 torchrun --nproc-per-node=2 -m overlap.bench --out "$OUT/bench_$name.json" "$@" \
     2>&1 | grep -v "^W1\|OMP_NUM_THREADS\|^\*\*\*"  # the JSON holds every number
 }
+run_suite() {
+  timeout 250 python3 -m pytest -m gpu tests/test_gpu.py -q -p no:cacheprovider 2>&1 | tail -30 | tee "$OUT/gpu_suite.log"
+}
+run_example() {
+  timeout 120 python3 examples/tp_linear.py 2>&1 | grep -v "^W1\|OMP_NUM\|^\*\*\*" | tee "$OUT/example.log"
+}
+big=4096x8192x4096,8192x8192x14336,16384x8192x4096,8192x4096x4096
 if [ "$what" = suite ] || [ "$what" = all ]; then
-  timeout 420 python3 -m pytest -m gpu tests/test_gpu.py -q -p no:cacheprovider 2>&1 | tail -40 | tee "$OUT/gpu_suite.log"
+  run_suite
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   run_bench nvlink
   NCCL_P2P_DISABLE=1 run_bench no_p2p
 fi
 if [ "$what" = final ]; then
-  timeout 120 python3 examples/tp_linear.py 2>&1 | grep -v "^W1\|OMP_NUM\|^\*\*\*" | tee "$OUT/example.log"
-  timeout 250 python3 -m pytest -m gpu tests/test_gpu.py -q -p no:cacheprovider 2>&1 | tail -30 | tee "$OUT/gpu_suite.log"
+  run_example
+  run_suite
   run_bench nvlink --iters 30
   NCCL_P2P_DISABLE=1 run_bench no_p2p --iters 30
-  big=4096x8192x4096,8192x8192x14336,16384x8192x4096,8192x4096x4096
   run_bench a2a_nvlink --collectives all_to_all --chunks 4 --shapes $big --iters 10
   NCCL_P2P_DISABLE=1 run_bench a2a_no_p2p --collectives all_to_all --chunks 4 --shapes $big --iters 10
 fi
 if [ "$what" = verify ]; then  # after GPU code changed: correctness first, then extra rows
-  timeout 120 python3 examples/tp_linear.py 2>&1 | grep -v "^W1\|OMP_NUM\|^\*\*\*" | tee "$OUT/example.log"
-  timeout 250 python3 -m pytest -m gpu tests/test_gpu.py -q -p no:cacheprovider 2>&1 | tail -30 | tee "$OUT/gpu_suite.log"
+  run_example
+  run_suite
   dec=16x8192x4096,128x8192x4096
   run_bench decode_nvlink --shapes $dec --iters 200
   NCCL_P2P_DISABLE=1 run_bench decode_no_p2p --shapes $dec --iters 200
-  big=4096x8192x4096,8192x8192x14336,16384x8192x4096,8192x4096x4096
   run_bench a2a_default_nvlink --collectives all_to_all --shapes $big --iters 10
   NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 run_bench net_transport --collectives all_reduce,reduce_scatter --shapes $big --iters 10
 fi
 if [ "$what" = sweep ]; then  # chunk counts x backends, to choose the defaults
-  big=4096x8192x4096,8192x8192x14336,16384x8192x4096,8192x4096x4096
   for b in torch cupy; do
     run_bench sweep_nvlink_$b --backend $b --collectives all_reduce,reduce_scatter --chunks 2,4,8 --iters 10 --shapes $big
     NCCL_P2P_DISABLE=1 run_bench sweep_no_p2p_$b --backend $b --collectives all_reduce,reduce_scatter --chunks 2,4,8 --iters 10 --shapes 4096x8192x4096,8192x8192x14336
