@@ -5,12 +5,15 @@ optional backends are imported on first use.
 """
 
 from .api import matmul_all_to_all, matmul_allreduce, matmul_collective, matmul_reduce_scatter, plan
+from .guard import RankMismatchError, configure
 from .plan import COLLECTIVES, OPS, Plan
 
 __all__ = [
     "COLLECTIVES",
     "OPS",
     "Plan",
+    "RankMismatchError",
+    "configure",
     "matmul_all_to_all",
     "matmul_allreduce",
     "matmul_collective",

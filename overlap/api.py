@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from . import guard
 from .comm import BACKENDS, make_comm, run_chunks
 from .plan import COLLECTIVES, OPS, Plan, make_plan
 from .signal import ChunkCounters, wait_counter
@@ -128,11 +129,18 @@ class _Context:
     counters: ChunkCounters
     comm_stream: torch.cuda.Stream | None
     comms: dict = field(default_factory=dict)
+    rendezvous: guard.Rendezvous | None = None  # validation mode, made on first use
 
     def comm(self, backend: str):
         if backend not in self.comms:
             self.comms[backend] = make_comm(backend, self.group)
         return self.comms[backend]
+
+    def agree(self, p: Plan, dtype: torch.dtype, op: str, backend: str) -> None:
+        """Validation mode: every rank makes this same call (``overlap.guard``)."""
+        if self.rendezvous is None:
+            self.rendezvous = guard.Rendezvous(self.group)
+        self.rendezvous.agree(guard.fingerprint(p, dtype, op, backend), p.describe())
 
 
 _contexts: dict[tuple, _Context] = {}
@@ -216,13 +224,17 @@ def matmul_collective(
     x2 = x.reshape(M, p.K)
     out2 = out.view(-1, N)
     scale = 1.0 / R if op == "avg" and R > 1 else None
+    ctx = _context(group, x.device) if R > 1 else None
+    if ctx is not None and guard.validating():
+        ctx.agree(p, x.dtype, op, backend)  # before anything is launched
     if p.path != "overlap":
         _plain(x2, w, out2, p, scale, group)
+        if ctx is not None and guard.validating() and x.is_cuda:
+            guard.watch(torch.cuda.current_stream(x.device), ctx.comm("torch").abort, p.describe())
         return out
 
     from .gemm import chunked_matmul  # Triton: imported on first use
 
-    ctx = _context(group, x.device)
     comm = ctx.comm(backend)
     in_place = p.n_col_bands == 1
     if collective == "all_reduce" and in_place:
@@ -241,14 +253,24 @@ def matmul_collective(
             s.wait_stream(caller)  # inputs and buffers are ready before `s` touches them
         chunked_matmul(x2, w, p_flat, ctx.counters.tensor, p, scale)
         ctx.counters.commit(targets)
-        with torch.cuda.stream(s):
-            run_chunks(
-                p, comm, p_flat, out2, recv_flat, lambda c: wait_counter(views[c], targets[c], s)
-            )
-        if s is not None:
-            # The caller continues after the last collective, so buffers allocated on it are
-            # free to reuse once this call's work on `s` is done.
-            caller.wait_stream(s)
+        try:
+            with torch.cuda.stream(s):
+                run_chunks(
+                    p,
+                    comm,
+                    p_flat,
+                    out2,
+                    recv_flat,
+                    lambda c: wait_counter(views[c], targets[c], s),
+                )
+        finally:
+            if s is not None:
+                # The caller continues after the last collective, so buffers allocated on it
+                # are free to reuse once this call's work on `s` is done (also when a chunk's
+                # collective raised: the chunks issued before it still use them).
+                caller.wait_stream(s)
+        if guard.validating():
+            guard.watch(s, comm.abort, p.describe())
     return out
 
 

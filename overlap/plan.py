@@ -200,13 +200,15 @@ def make_plan(
     interpreter: bool = False,
     num_sms: int = 132,
     chunks: int | None = None,
+    tiles: Tiles | None = None,
 ) -> Plan:
     """Choose the chunk plan for ``[M, K] @ [K, N]`` followed by ``collective`` over
     ``world_size`` ranks.
 
     ``chunks`` asks for about that many chunks (rounded to what the tiles allow); by default the
     plan aims at about two GEMM waves (``num_sms`` tiles each) per chunk, between 2 and 8 chunks:
-    DESIGN.md measured 1024- and 2048-row chunks best and 512 rows worse.
+    DESIGN.md measured 1024- and 2048-row chunks best and 512 rows worse. ``tiles`` replaces
+    the tile config of ``tiles_for`` (tests and tuning).
     """
     if collective not in COLLECTIVES:
         raise ValueError(f"collective must be one of {COLLECTIVES}, got {collective!r}")
@@ -229,7 +231,7 @@ def make_plan(
             K,
             R,
         )
-    t = tiles_for(M, dtype_bits, interpreter)
+    t = tiles or tiles_for(M, dtype_bits, interpreter)
     tm, tn = math.ceil(M / t.block_m), math.ceil(N / t.block_n)
     if chunks is None:
         # All-to-all: 4 chunks measured 1.01-1.24x over sequential on the bench shapes (2x H200,

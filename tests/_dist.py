@@ -34,12 +34,13 @@ def _entry(rank, world_size, init_file, backend, fn, args, errors_dir):
         failures = fn(rank, world_size, *args)
     except Exception:
         failures = [traceback.format_exc()]
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
     if failures:
         with open(os.path.join(errors_dir, f"rank{rank}.txt"), "w") as f:
             f.write("\n".join(failures))
+    if getattr(fn, "no_teardown", False):
+        os._exit(0)  # a peer is gone or the group was aborted: tearing down could block
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def spawn(fn, world_size: int, *args, backend: str = "gloo") -> None:
@@ -54,6 +55,33 @@ def spawn(fn, world_size: int, *args, backend: str = "gloo") -> None:
         reports = sorted(f for f in os.listdir(d) if f.startswith("rank"))
         text = "\n".join(open(os.path.join(d, f)).read() for f in reports)
     assert not reports, text
+
+
+def poison_with_specials(x: torch.Tensor, w_nk: torch.Tensor) -> None:
+    """Put NaN, +Inf and -Inf into ``x [M, K]`` and ``w_nk [N, K]`` in place, including an
+    ``Inf * 0`` product and an ``Inf - Inf`` sum (``M, N >= 20``, ``K >= 8``)."""
+    inf, nan = float("inf"), float("nan")
+    x[1, 2] = inf  # row 1: +-Inf, or NaN where w[2, j] == 0
+    w_nk[5, 2] = 0.0
+    x[3, 4] = nan  # row 3: NaN everywhere
+    x[7, 0], x[7, 1] = inf, inf  # row 7, column 9: Inf * w + Inf * (-w) = NaN
+    w_nk[9, 0], w_nk[9, 1] = 1.0, -1.0
+    w_nk[13, 6] = -inf  # column 13: +-Inf everywhere (x[i, 6] != 0), NaN on rows 1, 3, 7
+    x[19, 3] = -inf
+
+
+def mismatch(got: torch.Tensor, ref: torch.Tensor, tol: float) -> str | None:
+    """Why ``got`` differs from the float64 ``ref``, or None: NaN (also: never written, as
+    outputs start as NaN), +Inf and -Inf must be exactly where ``ref`` has them, and the
+    finite rest within ``tol`` in relative norm."""
+    got, ref = got.double(), ref.double()
+    for name, f in (("NaN", torch.isnan), ("+Inf", torch.isposinf), ("-Inf", torch.isneginf)):
+        bad = (f(got) != f(ref)).nonzero().tolist()
+        if bad:
+            return f"{len(bad)} elements differ in being {name}, first at {bad[:3]}"
+    fin = torch.isfinite(ref)
+    err = ((got[fin] - ref[fin]).norm() / ref[fin].norm().clamp_min(1e-30)).item()
+    return None if err < tol else f"relative error {err:.3g} > {tol:g}"
 
 
 def check_case(
@@ -71,17 +99,23 @@ def check_case(
     expect: str = "overlap",
     chunks: int | None = None,
     count_calls: dict | None = None,
+    group: dist.ProcessGroup | None = None,
+    specials: bool = False,
 ) -> str | None:
     """One call of ``overlap.matmul_collective`` on this rank, checked; a message on failure.
 
-    ``shape`` is ``(lead..., K, N)``; every rank draws every rank's inputs from ``seed`` so the
-    float64 reference needs no communication.
+    ``rank`` and ``R`` are this rank's index in ``group`` and its size. ``shape`` is
+    ``(lead..., K, N)``; every rank draws every rank's inputs from ``seed`` so the float64
+    reference needs no communication. ``specials`` puts NaN and Inf into every rank's inputs.
     """
     *lead, K, N = shape
     M = math.prod(lead)
     g = torch.Generator().manual_seed(seed)
     xs = [torch.randn(*lead, K, generator=g).to(dtype) for _ in range(R)]
     ws = [torch.randn(N, K, generator=g).to(dtype) for _ in range(R)]  # nn.Linear weights
+    if specials:
+        for r in range(R):
+            poison_with_specials(xs[r].view(M, K), ws[r])
     x = xs[rank].to(device)
     w = ws[rank].to(device).t() if transposed_w else ws[rank].t().contiguous().to(device)
     prods = [
@@ -97,13 +131,13 @@ def check_case(
         ref = torch.cat([p[rank * Mr : (rank + 1) * Mr] for p in prods]).reshape(*lead, N)
     if op == "avg":
         ref = ref / R
-    p = overlap.plan(x, w, collective, chunks=chunks)
+    p = overlap.plan(x, w, collective, chunks=chunks, group=group)
     out = torch.full(ref.shape, float("nan"), dtype=dtype, device=device)
     before = dict(count_calls) if count_calls is not None else None
     name = f"{collective} {dtype} {shape} op={op} backend={backend} rank={rank}"
     try:
         res = overlap.matmul_collective(
-            x, w, collective, op=op, out=out, backend=backend, chunks=chunks
+            x, w, collective, op=op, out=out, backend=backend, chunks=chunks, group=group
         )
     except Exception as e:  # report the case; the other ranks fail their own way or time out
         return f"{name}: {type(e).__name__}: {e} ({p.describe()})"
@@ -115,13 +149,96 @@ def check_case(
         issued = sum(count_calls.values()) - sum(before.values())
         if issued != p.n_chunks:
             return f"{name}: {issued} collectives issued for {p.n_chunks} chunks"
-    got = res.to(torch.float64)
-    if torch.isnan(got).any():
-        return f"{name}: {int(torch.isnan(got).sum())} elements never written (NaN)"
-    err = ((got - ref).norm() / ref.norm()).item()
-    if not err < TOL[dtype]:
-        return f"{name}: relative error {err:.3g} > {TOL[dtype]:g} ({p.describe()})"
-    return None
+    why = mismatch(res, ref, TOL[dtype])
+    return f"{name}: {why} ({p.describe()})" if why else None
+
+
+def fault_scenarios(rank: int, R: int, scenario: str, device: str) -> list[str]:
+    """One fault on 2 ranks; the rank that sees it must raise a clear error, quickly.
+
+    - ``disagree``: validation mode; the ranks differ in shape, dtype, collective, chunk plan.
+      Both raise ``RankMismatchError`` and no collective runs; a matching call then works.
+    - ``never_arrives``: validation mode, 2 s timeout; rank 1 never calls. Rank 0 raises
+      ``TimeoutError`` naming rank 1 within a few seconds.
+    - ``killed_mid_call``: rank 1 exits inside its second chunk's collective. Rank 0 raises:
+      gloo at once (the connection closes; validation off), NCCL through validation mode's
+      watch (5 s timeout, then the communicator is aborted).
+    """
+    import time
+
+    store = dist.distributed_c10d._get_default_store()
+    dev = "cpu" if device == "cpu" else f"cuda:{rank}"
+    gen = torch.Generator().manual_seed(1234)
+    x = torch.randn(256, 64, generator=gen).to(dev)
+    w = torch.randn(64, 96, generator=gen).to(dev)
+    failures: list[str] = []
+    if scenario == "disagree":
+        overlap.configure(validate=True, timeout=60)
+        counts = count_collectives()
+        x16 = x.half() if rank else x  # float16 on rank 1
+        for what, args, kw in (
+            ("shape", (x[: 128 * (2 - rank)], w, "all_reduce"), {"chunks": 2}),
+            ("dtype", (x16, w.to(x16.dtype), "all_reduce"), {"chunks": 2}),
+            ("collective", (x, w, "reduce_scatter" if rank else "all_to_all"), {"chunks": 2}),
+            ("plan", (x, w, "all_reduce"), {"chunks": 2 + rank}),
+        ):
+            try:
+                overlap.matmul_collective(*args, **kw)
+                failures.append(f"{what}: ranks disagree and no error was raised")
+            except overlap.RankMismatchError as e:
+                if "rank 0:" not in str(e) or "rank 1:" not in str(e):
+                    failures.append(f"{what}: the error lacks the ranks' fingerprints: {e}")
+        if sum(counts.values()):
+            failures.append(f"collectives ran before the mismatch was found: {counts}")
+        msg = check_case(rank, R, dev, "all_reduce", torch.float32, (256, 64, 96), 7, chunks=2)
+        failures += [f"after the mismatches: {msg}"] if msg else []
+        overlap.configure(validate=False)
+    elif scenario == "never_arrives":
+        overlap.configure(validate=True, timeout=2)
+        if rank == 0:
+            t0 = time.monotonic()
+            try:
+                overlap.matmul_collective(x, w, chunks=2)
+                failures.append("no error although rank 1 never called")
+            except TimeoutError as e:
+                if "[1]" not in str(e):
+                    failures.append(f"the error does not name rank 1: {e}")
+            took = time.monotonic() - t0
+            if not 2 <= took < 15:
+                failures.append(f"raised after {took:.1f} s for a 2 s timeout")
+            store.set("test/done", "1")
+        else:
+            store.wait(["test/done"], timedelta(seconds=60))
+        overlap.configure(validate=False)
+    elif scenario == "killed_mid_call":
+        validate = device != "cpu"
+        overlap.configure(validate=validate, timeout=5)
+        if rank == 1:
+            calls = [0]
+            orig = dist.all_reduce
+
+            def dying(*a, **k):
+                calls[0] += 1
+                if calls[0] == 2:
+                    os._exit(0)  # like a crash: no teardown, no message
+                return orig(*a, **k)
+
+            dist.all_reduce = dying
+        t0 = time.monotonic()
+        try:
+            overlap.matmul_collective(x, w, chunks=4)
+            failures.append("no error although rank 1 died mid-call")
+        except (RuntimeError, TimeoutError) as e:
+            took = time.monotonic() - t0
+            if took > (20 if validate else 10):
+                failures.append(f"raised only after {took:.1f} s: {e}")
+        overlap.configure(validate=False)
+    else:
+        raise ValueError(scenario)
+    return failures
+
+
+fault_scenarios.no_teardown = True
 
 
 def count_collectives() -> dict:

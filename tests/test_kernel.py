@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _dist import mismatch, poison_with_specials
 
 from overlap.gemm import chunked_matmul
 from overlap.plan import make_plan
@@ -85,3 +86,20 @@ def test_cyclic_compare():
     assert reached(5, 5) and reached(6, 5) and not reached(4, 5)
     assert reached(3, (1 << 32) - 2)  # 3 is "after" 2**32 - 2
     assert not reached((1 << 32) - 2, 3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_nan_and_inf_land_where_the_product_has_them(dtype):
+    M, N, K = 96, 70, 48
+    p = make_plan(
+        M, N, K, world_size=2, collective="all_reduce", dtype_bits=dtype.itemsize * 8,
+        interpreter=True, chunks=3,
+    )  # fmt: skip
+    x, w_nk = torch.randn(M, K).to(dtype), torch.randn(N, K).to(dtype)
+    poison_with_specials(x, w_nk)
+    w = w_nk.t()
+    flat = torch.full((M * N,), float("nan"), dtype=dtype)
+    counters = ChunkCounters(torch.device("cpu"))
+    chunked_matmul(x, w, flat, counters.tensor, p)
+    assert counters.tensor[: p.n_chunks].tolist() == list(p.tiles_per_chunk)
+    assert not mismatch(_standard(p, flat), x.double() @ w.double(), TOL[dtype])

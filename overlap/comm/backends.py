@@ -39,6 +39,10 @@ class TorchComm:
         """Send ``ins[j]`` to rank ``j``; receive rank ``j``'s piece into ``outs[j]``."""
         dist.all_to_all(outs, ins, group=self.group)
 
+    def abort(self) -> None:
+        """Abort the group's NCCL communicators (releases kernels stuck on a dead peer)."""
+        dist.distributed_c10d._abort_process_group(self.group)
+
 
 _NCCL_DTYPES = {torch.float16: 6, torch.float32: 7, torch.bfloat16: 9}  # ncclDataType_t
 _NCCL_SUM = 0
@@ -86,6 +90,10 @@ class CupyComm:
             self.comm.send(ins[peer].data_ptr(), ins[peer].numel(), dt, peer, s)
             self.comm.recv(outs[peer].data_ptr(), outs[peer].numel(), dt, peer, s)
         nccl.groupEnd()
+
+    def abort(self) -> None:
+        """Abort this NCCL communicator (releases kernels stuck on a dead peer)."""
+        self.comm.abort()
 
 
 def make_comm(backend: str, group: dist.ProcessGroup | None) -> TorchComm | CupyComm:

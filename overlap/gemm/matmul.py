@@ -29,6 +29,20 @@ W_POINTER, W_NK, W_KN = 0, 1, 2  # how the kernel reads w: pointers, TMA on [N, 
 
 
 @triton.jit
+def _split_tf32(v):
+    """Split fp32 ``v`` for three TF32 products: ``hi`` is ``v`` with the 13 low mantissa bits
+    cleared (what a TF32 tensor core reads; NaN stays NaN), ``lo = v - hi`` (0 for an
+    infinity, whose ``v - hi`` would be NaN) and ``fin`` is ``hi`` with infinities zeroed.
+    ``hi * hi + fin * lo + lo * fin`` then puts an Inf or NaN exactly where ``v * v`` has one,
+    which Triton's own "tf32x3" does not (it computes ``inf * 0 = NaN`` in the cross terms)."""
+    hi = (v.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
+    hi = tl.where(v != v, v, hi)
+    lo = tl.where(v == hi, 0.0, v - hi)
+    fin = tl.where(tl.abs(hi) == float("inf"), 0.0, hi)
+    return hi, lo, fin
+
+
+@triton.jit
 def _chunked_matmul_kernel(
     x_ref, w_ref, p_ptr, counter_ptr,
     M, N, K,
@@ -37,7 +51,7 @@ def _chunked_matmul_kernel(
     CHUNK_COLS,
     N_COL_BANDS, scale,
     RUNS: tl.constexpr, X_DESC: tl.constexpr, W_MODE: tl.constexpr,
-    HAS_SCALE: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_SCALE: tl.constexpr, SPLIT3: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(axis=0)
@@ -90,7 +104,14 @@ def _chunked_matmul_kernel(
         else:
             b = tl.load(w_ptrs, mask=offs_k[:, None] < K - k * BLOCK_K, other=0.0)
             w_ptrs += BLOCK_K * stride_wk
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        if SPLIT3:  # fp32 accuracy on tensor cores (see _split_tf32)
+            a_hi, a_lo, a_fin = _split_tf32(a)
+            b_hi, b_lo, b_fin = _split_tf32(b)
+            acc = tl.dot(a_lo, b_fin, acc, input_precision="tf32")
+            acc = tl.dot(a_fin, b_lo, acc, input_precision="tf32")
+            acc = tl.dot(a_hi, b_hi, acc, input_precision="tf32")
+        else:
+            acc = tl.dot(a, b, acc, input_precision="tf32")  # 16-bit inputs ignore it
 
     if HAS_SCALE:
         acc = acc * scale
@@ -142,11 +163,9 @@ def chunked_matmul(
     M, K = x.shape
     N = w.shape[1]
     # fp32 follows torch.matmul's TF32 switch: off (torch's default) means fp32 accuracy, which
-    # "tf32x3" (three TF32 products) gives on tensor cores; "ieee" would be an FMA loop that
+    # three TF32 products give on tensor cores (_split_tf32); "ieee" would be an FMA loop that
     # also needed 3x the shared memory of the tile config (seen on H200: 288 KB, over the limit).
-    # 16-bit inputs ignore the setting.
-    fp32_exact = x.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
-    precision = "tf32x3" if fp32_exact else "tf32"
+    split3 = x.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
     x_ref, w_ref, w_mode = x, w, W_POINTER
     if use_tma and _tma_ok(x):
         x_ref = TensorDescriptor.from_tensor(x, [t.block_m, t.block_k])
@@ -164,7 +183,7 @@ def chunked_matmul(
         plan.n_row_bands, plan.rank_block_rows, plan.chunk_cols, plan.n_col_bands,
         1.0 if scale is None else scale,
         RUNS=plan.runs, X_DESC=x_ref is not x, W_MODE=w_mode,
-        HAS_SCALE=scale is not None, PRECISION=precision,
+        HAS_SCALE=scale is not None, SPLIT3=split3,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=plan.group_m,
         num_warps=t.num_warps, num_stages=t.num_stages,
     )  # fmt: skip

@@ -1,0 +1,148 @@
+"""Validation mode: ranks agree on each call before any collective runs, and no wait is endless.
+
+Off by default (it costs a store round trip and a host synchronization per call). Turn it on
+with ``overlap.configure(validate=True)``, ``OVERLAP_VALIDATE=1``, or
+``TORCH_DISTRIBUTED_DEBUG=DETAIL``. When on, every call with more than one rank:
+
+1. Publishes a fingerprint of the call (collective, op, shapes, dtype, backend, and the chunk
+   plan) in the default group's key-value store, under the group's name and the call's number
+   in that group, and waits up to ``timeout`` seconds for every rank's fingerprint. A rank
+   that does not arrive (dead, or stuck elsewhere) gives ``TimeoutError`` naming it; ranks that
+   disagree give ``RankMismatchError`` with every rank's fingerprint. Both are raised before
+   this call has launched anything, so the GPU is never left waiting.
+2. After issuing the chunks, waits on the host up to ``timeout`` seconds for the last
+   collective. If it does not finish (a peer died mid-call), the communicator is aborted, so
+   that the GPU's streams are released, and ``TimeoutError`` is raised; the group is unusable
+   afterwards, as after any NCCL abort.
+
+Off, the process group's own timeout governs (``init_process_group(timeout=...)``): gloo
+raises at once when a peer's connection closes, or after that timeout; torch's NCCL watchdog
+aborts the communicator after it. The GEMM's counters cannot hang a stream by themselves: a
+chunk waits only for this rank's own GEMM, launched before the wait.
+
+Store keys: ``overlap/<group name>/<call number>/<rank>``; each rank deletes its key of call
+``n - 2`` once every rank has reached call ``n - 1`` (so every rank has read it).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+class RankMismatchError(ValueError):
+    """Ranks called the same collective with different arguments or plans."""
+
+
+def _env_validate() -> bool:
+    return (
+        os.environ.get("OVERLAP_VALIDATE", "0") == "1"
+        or os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL"
+    )
+
+
+_settings = {
+    "validate": _env_validate(),
+    "timeout": float(os.environ.get("OVERLAP_TIMEOUT", "300")),
+}
+
+
+def configure(*, validate: bool | None = None, timeout: float | None = None) -> None:
+    """Turn validation mode on or off and set its timeout in seconds (module docstring).
+
+    Every rank of a group must use the same setting: validation is itself a rendezvous.
+
+    Raises:
+        ValueError: ``timeout`` is not positive.
+    """
+    if timeout is not None:
+        if not timeout > 0:
+            raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
+        _settings["timeout"] = float(timeout)
+    if validate is not None:
+        _settings["validate"] = bool(validate)
+
+
+def validating() -> bool:
+    """Whether validation mode is on."""
+    return _settings["validate"]
+
+
+def timeout() -> float:
+    """The validation timeout in seconds."""
+    return _settings["timeout"]
+
+
+class Rendezvous:
+    """Per-group agreement through the default store (one per (group, device, stream) context)."""
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        pg = group if group is not None else dist.group.WORLD
+        self.store = dist.distributed_c10d._get_default_store()
+        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+        self.prefix = f"overlap/{pg.group_name}/"
+        self.calls = 0
+
+    def _key(self, n: int, r: int) -> str:
+        return f"{self.prefix}{n}/{r}"
+
+    def agree(self, fingerprint: str, what: str) -> None:
+        """Publish this rank's fingerprint of call ``what`` and check every rank's.
+
+        Raises:
+            TimeoutError: a rank did not publish within the timeout.
+            RankMismatchError: the fingerprints differ.
+        """
+        n = self.calls
+        self.calls += 1
+        keys = [self._key(n, r) for r in range(self.size)]
+        self.store.set(keys[self.rank], fingerprint)
+        try:
+            self.store.wait(keys, timedelta(seconds=timeout()))
+        except RuntimeError as e:  # the store's "Wait timeout", or a store that went away
+            missing = [r for r, k in enumerate(keys) if not self.store.check([k])]
+            raise TimeoutError(
+                f"{what}: rank(s) {missing} of the group did not reach call #{n} within "
+                f"{timeout():g} s (dead, or waiting elsewhere); nothing was launched. ({e})"
+            ) from e
+        if n >= 2:
+            self.store.delete_key(self._key(n - 2, self.rank))
+        values = [v.decode() for v in self.store.multi_get(keys)]
+        if any(v != fingerprint for v in values):
+            table = "\n".join(f"  rank {r}: {v}" for r, v in enumerate(values))
+            raise RankMismatchError(
+                f"{what}: ranks disagree on call #{n}; nothing was launched.\n{table}"
+            )
+
+
+def watch(stream: torch.cuda.Stream | None, abort, what: str) -> None:
+    """Wait on the host until ``stream``'s work so far is done, at most ``timeout()`` seconds;
+    past it call ``abort()`` and raise ``TimeoutError``. CPU work (``stream=None``) is already
+    done when issued."""
+    if stream is None:
+        return
+    done = torch.cuda.Event()
+    done.record(stream)
+    deadline = time.monotonic() + timeout()
+    while not done.query():
+        if time.monotonic() > deadline:
+            abort()
+            raise TimeoutError(
+                f"{what}: the collectives did not finish within {timeout():g} s (a peer rank "
+                "died or stopped mid-call); the communicator was aborted and the group cannot "
+                "be used again"
+            )
+        time.sleep(1e-4)
+
+
+def fingerprint(plan, dtype: torch.dtype, op: str, backend: str) -> str:
+    """What must be equal on every rank for a call to be valid: the collective, shapes, dtype,
+    op, backend and the chunk plan (chunks and tiles per chunk)."""
+    return (
+        f"{plan.collective} op={op} M={plan.M} N={plan.N} K={plan.K} {dtype} "
+        f"backend={backend} path={plan.path} chunks={plan.tiles_per_chunk} tiles={plan.tiles}"
+    )
