@@ -109,8 +109,14 @@ def _plan_checked(x, w, collective, group, chunks) -> Plan:
         M, N, K, world_size=R, collective=collective, dtype_bits=x.element_size() * 8,
         interpreter=not x.is_cuda, num_sms=_num_sms(x.device), chunks=chunks,
     )  # fmt: skip
-    if p.path == "overlap" and not x.is_cuda and not _interpreter():
-        return Plan("fallback", "CPU tensors and TRITON_INTERPRET is not 1", collective, M, N, K, R)
+    if p.path == "overlap" and not x.is_cuda:
+        if not _interpreter():
+            why = "CPU tensors and TRITON_INTERPRET is not 1"
+        elif x.dtype == torch.bfloat16:
+            why = "the Triton interpreter computes bfloat16 products wrongly (triton 3.6)"
+        else:
+            return p
+        return Plan("fallback", why, collective, M, N, K, R)
     return p
 
 

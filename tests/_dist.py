@@ -168,16 +168,17 @@ def fault_scenarios(rank: int, R: int, scenario: str, device: str) -> list[str]:
 
     store = dist.distributed_c10d._get_default_store()
     dev = "cpu" if device == "cpu" else f"cuda:{rank}"
+    M, K, N = (256, 64, 96) if device == "cpu" else (1024, 256, 512)  # 4 row bands of tiles
     gen = torch.Generator().manual_seed(1234)
-    x = torch.randn(256, 64, generator=gen).to(dev)
-    w = torch.randn(64, 96, generator=gen).to(dev)
+    x = torch.randn(M, K, generator=gen).to(dev)
+    w = torch.randn(K, N, generator=gen).to(dev)
     failures: list[str] = []
     if scenario == "disagree":
         overlap.configure(validate=True, timeout=60)
         counts = count_collectives()
         x16 = x.half() if rank else x  # float16 on rank 1
         for what, args, kw in (
-            ("shape", (x[: 128 * (2 - rank)], w, "all_reduce"), {"chunks": 2}),
+            ("shape", (x[: M // 2 * (2 - rank)], w, "all_reduce"), {"chunks": 2}),
             ("dtype", (x16, w.to(x16.dtype), "all_reduce"), {"chunks": 2}),
             ("collective", (x, w, "reduce_scatter" if rank else "all_to_all"), {"chunks": 2}),
             ("plan", (x, w, "all_reduce"), {"chunks": 2 + rank}),
@@ -190,7 +191,7 @@ def fault_scenarios(rank: int, R: int, scenario: str, device: str) -> list[str]:
                     failures.append(f"{what}: the error lacks the ranks' fingerprints: {e}")
         if sum(counts.values()):
             failures.append(f"collectives ran before the mismatch was found: {counts}")
-        msg = check_case(rank, R, dev, "all_reduce", torch.float32, (256, 64, 96), 7, chunks=2)
+        msg = check_case(rank, R, dev, "all_reduce", torch.float32, (M, K, N), 7, chunks=2)
         failures += [f"after the mismatches: {msg}"] if msg else []
         overlap.configure(validate=False)
     elif scenario == "never_arrives":
@@ -225,6 +226,8 @@ def fault_scenarios(rank: int, R: int, scenario: str, device: str) -> list[str]:
 
             dist.all_reduce = dying
         t0 = time.monotonic()
+        if overlap.plan(x, w, chunks=4).n_chunks < 3:
+            failures.append("the plan has too few chunks to die in the middle")
         try:
             overlap.matmul_collective(x, w, chunks=4)
             failures.append("no error although rank 1 died mid-call")

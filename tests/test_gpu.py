@@ -11,7 +11,7 @@ import random
 
 import pytest
 import torch
-from _dist import check_case, count_collectives, spawn
+from _dist import TOL, check_case, count_collectives, fault_scenarios, mismatch, spawn
 
 pytestmark = pytest.mark.gpu
 
@@ -120,3 +120,76 @@ def _repeat(rank, R, seed):
     if method() != os.environ["OVERLAP_WAIT"]:
         failures.append(f"wait method {method()}, asked for {os.environ['OVERLAP_WAIT']}")
     return failures
+
+
+@pytest.mark.parametrize("scenario", ["disagree", "never_arrives", "killed_mid_call"])
+def test_faults_raise_instead_of_hanging(scenario, monkeypatch):
+    """The gloo scenarios of test_reliability.py on NCCL (validation mode's watch aborts the
+    communicator when a peer died mid-call)."""
+    _need_gpus(2)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    # torch's watchdog would end the process after our abort; we want to see our error
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
+    spawn(fault_scenarios, 2, scenario, "cuda", backend="nccl")
+
+
+def _streams_wrap_specials(rank, R, seed):
+    import torch.distributed as dist
+
+    import overlap
+    from overlap.api import _context
+    from overlap.signal import ChunkCounters
+
+    dev = torch.device(f"cuda:{rank}")
+    failures = []
+    # Counters just below 2**32: cuStreamWaitValue32(GEQ) must compare cyclically.
+    ctx = _context(None, dev)
+    ctx.counters = ChunkCounters(dev, start=(1 << 32) - 5)
+    for i in range(6):
+        coll = COLLECTIVES[i % 3]
+        msg = check_case(rank, R, str(dev), coll, torch.bfloat16, (2048, 1024, 2048), seed + i)
+        failures += [msg] if msg else []
+    if not ctx.counters.expected[0] < 100:
+        failures.append(f"counters did not wrap: {ctx.counters.expected[:3]}")
+    for j, coll in enumerate(COLLECTIVES):
+        for dtype in DTYPES:
+            msg = check_case(
+                rank, R, str(dev), coll, dtype, (512, 256, 512), seed + 10 + j, chunks=2,
+                specials=True,
+            )  # fmt: skip
+            failures += [msg] if msg else []
+    # Two models on two caller streams, calls in flight at once (no sync until the end).
+    g = torch.Generator(device=dev).manual_seed(seed + rank)
+    models = [
+        torch.randn(1024, 3072, device=dev, generator=g, dtype=torch.bfloat16) / 32,
+        torch.randn(3072, 2048, device=dev, generator=g, dtype=torch.bfloat16) / 32,
+    ]
+    xs = [torch.randn(4096, 1024, device=dev, generator=g, dtype=torch.bfloat16),
+          torch.randn(4096, 3072, device=dev, generator=g, dtype=torch.bfloat16)]  # fmt: skip
+    streams = [torch.cuda.Stream(dev), torch.cuda.Stream(dev)]
+    for s in streams:
+        s.wait_stream(torch.cuda.current_stream(dev))
+    outs = [[], []]
+    for _ in range(5):
+        for k, coll in enumerate(("all_reduce", "reduce_scatter")):
+            with torch.cuda.stream(streams[k]):
+                outs[k].append(overlap.matmul_collective(xs[k], models[k], coll, chunks=4))
+    torch.cuda.synchronize(dev)
+    for k, coll in enumerate(("all_reduce", "reduce_scatter")):
+        prod = xs[k].float() @ models[k].float()
+        if coll == "all_reduce":
+            dist.all_reduce(prod)
+            ref = prod
+        else:
+            ref = torch.empty(prod.shape[0] // R, prod.shape[1], device=dev)
+            dist.reduce_scatter_tensor(ref, prod)
+        for i, o in enumerate(outs[k]):
+            why = mismatch(o, ref, TOL[torch.bfloat16])
+            failures += [f"stream {k} {coll} call {i}: {why}"] if why else []
+    return failures
+
+
+def test_streams_wrap_and_specials(monkeypatch):
+    _need_gpus(2)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    spawn(_streams_wrap_specials, 2, random.randrange(1 << 30), backend="nccl")

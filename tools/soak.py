@@ -1,0 +1,131 @@
+"""Soak run: thousands of overlapped calls with mixed shapes, collectives, dtypes, chunk counts
+and ops, every result checked against the plain torch path in fp32, memory tracked.
+
+    torchrun --nproc-per-node=2 tools/soak.py --seconds 90 --out soak.json
+
+Every rank draws the same case sequence (seeded), its own inputs. Validation mode is switched
+on for every other block of 250 calls. Prints a summary and writes JSON (rank 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import time
+
+import torch
+import torch.distributed as dist
+
+import overlap
+
+SHAPES = [  # (M, K, N)
+    (2048, 2048, 2048),
+    (4096, 1024, 4096),
+    (1000, 1000, 3000),
+    (778, 333, 1234),
+    (8192, 4096, 1024),
+    (128, 4096, 8192),
+    (16, 4096, 8192),
+    (4096, 4096, 8192),
+]
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
+
+
+def _reference(x, w, collective, op, R):
+    prod = x.float() @ w.float()
+    if op == "avg":
+        prod /= R
+    if collective == "all_reduce":
+        dist.all_reduce(prod)
+        return prod
+    out = torch.empty(prod.shape[0] // R, prod.shape[1], device=x.device)
+    if collective == "reduce_scatter":
+        dist.reduce_scatter_tensor(out, prod)
+    else:
+        out = torch.empty_like(prod)
+        dist.all_to_all_single(out, prod)
+    return out
+
+
+def _one_call(rng, gen, dev, R):
+    """Draw a case, run it, check it: ``(key, error, plan, op)``. Inputs die on return, so
+    memory measured between calls is what the library keeps."""
+    M, K, N = rng.choice(SHAPES)
+    dtype = rng.choice(DTYPES)
+    coll = rng.choice(overlap.COLLECTIVES)
+    op = rng.choice(["sum", "avg"]) if coll != "all_to_all" else "sum"
+    chunks = rng.choice([None, None, 2, 3, 4, 8])
+    transposed = rng.random() < 0.7
+    x = torch.randn(M, K, device=dev, generator=gen, dtype=dtype)
+    w = torch.randn(N, K, device=dev, generator=gen, dtype=dtype) / K**0.5
+    w = w.t() if transposed else w.t().contiguous()
+    p = overlap.plan(x, w, coll, chunks=chunks)
+    got = overlap.matmul_collective(x, w, coll, op=op, chunks=chunks)
+    ref = _reference(x, w, coll, op, R)
+    err = ((got.float() - ref).norm() / ref.norm()).item()
+    return dtype, err, p, op
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--seconds", type=float, default=90)
+    ap.add_argument("--calls", type=int, default=100_000)
+    ap.add_argument("--seed", type=int, default=2026)
+    ap.add_argument("--out", default="soak.json")
+    a = ap.parse_args()
+    rank = int(os.environ["RANK"])
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl")
+    R = dist.get_world_size()
+    dev = torch.device("cuda")
+    rng = random.Random(a.seed)  # same on every rank: the same cases in the same order
+    gen = torch.Generator(device=dev).manual_seed(a.seed + 1000 * rank)
+    failures, worst, paths, memory = [], {}, {"overlap": 0, "fallback": 0}, []
+    t0 = time.monotonic()
+    done = 0
+    while done < a.calls:
+        if done % 250 == 0:
+            stop = torch.tensor([int(time.monotonic() - t0 > a.seconds)], device=dev)
+            dist.all_reduce(stop)  # every rank stops at the same call
+            if stop.item():
+                break
+            overlap.configure(validate=(done // 250) % 2 == 1, timeout=60)
+            torch.cuda.synchronize()
+            memory.append((done, torch.cuda.memory_allocated(), torch.cuda.memory_reserved()))
+        dtype, err, p, op = _one_call(rng, gen, dev, R)
+        key = f"{p.collective} {str(dtype)[6:]}"
+        worst[key] = max(worst.get(key, 0.0), err)
+        paths[p.path] += 1
+        if not err < TOL[dtype]:  # NaN fails too
+            failures.append(f"call {done}: {p.describe()} op={op} {dtype}: error {err:.3g}")
+        done += 1
+    torch.cuda.synchronize()
+    memory.append((done, torch.cuda.memory_allocated(), torch.cuda.memory_reserved()))
+    elapsed = time.monotonic() - t0
+    all_fail = [None] * R
+    dist.all_gather_object(all_fail, failures)
+    if rank == 0:
+        after_warmup = [m[1] for m in memory[1:]]
+        result = {
+            "calls": done,
+            "seconds": round(elapsed, 1),
+            "paths": paths,
+            "failures": [f for fs in all_fail for f in fs][:50],
+            "n_failures": sum(len(fs) for fs in all_fail),
+            "worst_error_rank0": {k: float(f"{v:.3g}") for k, v in sorted(worst.items())},
+            "memory_rank0": [{"call": c, "allocated": m, "reserved": r} for c, m, r in memory],
+            "allocated_spread_after_first_block": (
+                max(after_warmup) - min(after_warmup) if after_warmup else 0
+            ),
+        }
+        print(json.dumps({k: v for k, v in result.items() if k != "memory_rank0"}, indent=1))
+        with open(a.out, "w") as f:
+            json.dump(result, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
