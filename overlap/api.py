@@ -239,36 +239,53 @@ def matmul_collective(
             guard.watch(torch.cuda.current_stream(x.device), ctx.comm("torch").abort, p.describe())
         return out
 
+    _overlapped(x2, w, out2, p, scale, ctx, ctx.comm(backend))
+    return out
+
+
+def _overlapped(x2, w, out2, p: Plan, scale, ctx: _Context, comm, trace=None) -> None:
+    """The overlapped path: the GEMM on the caller stream, one collective per chunk on the
+    communication stream, each after its chunk's counter; the caller waits for the last.
+
+    ``trace`` (``tools/timeline.py``): ``trace.tiles`` goes to the kernel, and
+    ``trace.stamp(i)`` is called on the communication stream when chunk ``i // 2`` is ready
+    (even ``i``) and when its collective has finished (odd ``i``).
+    """
     from .gemm import chunked_matmul  # Triton: imported on first use
 
-    comm = ctx.comm(backend)
+    M, N = p.M, p.N
+    dtype, device = x2.dtype, x2.device
     in_place = p.n_col_bands == 1
-    if collective == "all_reduce" and in_place:
+    if p.collective == "all_reduce" and in_place:
         p_flat = out2.view(-1)  # row bands of the standard layout are already contiguous
     else:
-        p_flat = torch.empty(M * N, dtype=x.dtype, device=x.device)
+        p_flat = torch.empty(M * N, dtype=dtype, device=device)
     recv_flat = None
-    if collective != "all_reduce" and not in_place:
-        recv_flat = torch.empty(out2.numel(), dtype=x.dtype, device=x.device)
+    if p.collective != "all_reduce" and not in_place:
+        recv_flat = torch.empty(out2.numel(), dtype=dtype, device=device)
     targets = ctx.counters.targets(p.tiles_per_chunk)
     views = ctx.counters.views
     s = ctx.comm_stream  # None on CPU: the interpreter runs the kernel to completion, then gloo
-    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+
+    def wait(c: int) -> None:
+        if trace is not None and c:
+            trace.stamp(2 * c - 1)
+        wait_counter(views[c], targets[c], s)
+        if trace is not None:
+            trace.stamp(2 * c)
+
+    with torch.cuda.device(device) if x2.is_cuda else contextlib.nullcontext():
         if s is not None:
-            caller = torch.cuda.current_stream(x.device)
+            caller = torch.cuda.current_stream(device)
             s.wait_stream(caller)  # inputs and buffers are ready before `s` touches them
-        chunked_matmul(x2, w, p_flat, ctx.counters.tensor, p, scale)
+        tiles = trace.tiles if trace is not None else None
+        chunked_matmul(x2, w, p_flat, ctx.counters.tensor, p, scale, trace=tiles)
         ctx.counters.commit(targets)
         try:
             with torch.cuda.stream(s):
-                run_chunks(
-                    p,
-                    comm,
-                    p_flat,
-                    out2,
-                    recv_flat,
-                    lambda c: wait_counter(views[c], targets[c], s),
-                )
+                run_chunks(p, comm, p_flat, out2, recv_flat, wait)
+                if trace is not None:
+                    trace.stamp(2 * p.n_chunks - 1)
         finally:
             if s is not None:
                 # The caller continues after the last collective, so buffers allocated on it
@@ -277,7 +294,6 @@ def matmul_collective(
                 caller.wait_stream(s)
         if guard.validating():
             guard.watch(s, comm.abort, p.describe())
-    return out
 
 
 def _plain(

@@ -96,7 +96,19 @@ def _async_tp(x, w, group):
         return None
 
 
-def bench_one(shape: str, coll: str, iters: int, backend: str, chunks: int | None) -> dict:
+def _cta_group(max_ctas: int):
+    """A second NCCL communicator over all ranks whose collectives use at most ``max_ctas``
+    CTAs (SMs), for the overlapped calls only; ``None`` (the default group) for 0."""
+    if not max_ctas:
+        return None
+    opts = dist.ProcessGroupNCCL.Options()
+    opts.config.max_ctas = max_ctas
+    return dist.new_group(list(range(dist.get_world_size())), backend="nccl", pg_options=opts)
+
+
+def bench_one(
+    shape: str, coll: str, iters: int, backend: str, chunks: int | None, ovl_group=None
+) -> dict:
     M, N, K = (int(v) for v in shape.split("x"))
     group = dist.group.WORLD
     R = dist.get_world_size()
@@ -114,7 +126,9 @@ def bench_one(shape: str, coll: str, iters: int, backend: str, chunks: int | Non
         _collective(coll, prod, out, group)
 
     def ovl():
-        overlap.matmul_collective(x, w, coll, out=out, backend=backend, chunks=chunks)
+        overlap.matmul_collective(
+            x, w, coll, out=out, backend=backend, chunks=chunks, group=ovl_group
+        )
 
     row = {
         "shape": shape,
@@ -165,6 +179,11 @@ def main(argv: list[str] | None = None) -> None:
         default="",
         help="chunk counts to sweep, e.g. 2,4,8 (default: the planner's choice)",
     )
+    ap.add_argument(
+        "--max-ctas",
+        default="0",
+        help="CTA limits to sweep for the overlapped calls' NCCL communicator (0: default group)",
+    )
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", default="bench_out/bench.json")
     args = ap.parse_args(argv)
@@ -175,15 +194,17 @@ def main(argv: list[str] | None = None) -> None:
     if os.environ.get("NCCL_P2P_DISABLE") == "1":
         mode = "net" if os.environ.get("NCCL_SHM_DISABLE") == "1" else "no_p2p"
     chunk_list = [int(c) for c in args.chunks.split(",") if c] or [None]
+    groups = {int(n): _cta_group(int(n)) for n in args.max_ctas.split(",")}
     rows = []
     for shape in args.shapes.split(","):
         for coll in args.collectives.split(","):
             for chunks in chunk_list:
-                row = bench_one(shape, coll, args.iters, args.backend, chunks)
-                row["mode"] = mode
-                rows.append(row)
-                if dist.get_rank() == 0:
-                    print(_fmt(row), flush=True)
+                for max_ctas, group in groups.items():
+                    row = bench_one(shape, coll, args.iters, args.backend, chunks, group)
+                    row["mode"], row["max_ctas"] = mode, max_ctas
+                    rows.append(row)
+                    if dist.get_rank() == 0:
+                        print(_fmt(row), flush=True)
     if dist.get_rank() == 0:
         meta = {
             "device": torch.cuda.get_device_name(),
@@ -205,6 +226,7 @@ HEADER = (
     "shape",
     "coll",
     "ch",
+    "ctas",
     "cuBLAS",
     "ours_gemm",
     "comm",
@@ -227,6 +249,7 @@ def _fmt(r: dict) -> str:
             r["shape"],
             r["collective"],
             r["chunks"],
+            r.get("max_ctas") or "-",
             r["gemm_cublas"],
             r.get("gemm_overlap_kernel"),
             r["comm"],

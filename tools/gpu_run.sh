@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call: environment, GPU test suite, benchmarks. Results under $OUT (or ./gpu_out).
-# Usage on a 2-GPU machine: bash tools/gpu_run.sh [suite|bench|all|final|verify|sweep]
+# Usage on a 2-GPU machine: bash tools/gpu_run.sh [suite|bench|all|final|verify|sweep|probe]
 #   final: example, suite, main bench; verify: example, suite, decode/all-to-all/socket rows
+#   probe: soak, timelines, NCCL CTA limits, fp32 GEMM (after `suite`, in a second call)
 set -u
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -20,7 +21,7 @@ run_bench() {  # mode-name extra-args...
     2>&1 | grep -v "^W1\|OMP_NUM_THREADS\|^\*\*\*"  # the JSON holds every number
 }
 run_suite() {
-  timeout 250 python3 -m pytest -m gpu tests/test_gpu.py -q -p no:cacheprovider 2>&1 | tail -30 | tee "$OUT/gpu_suite.log"
+  timeout 420 python3 -m pytest -m gpu tests/test_gpu.py -q -p no:cacheprovider --durations=0 2>&1 | tail -40 | tee "$OUT/gpu_suite.log"
 }
 run_example() {
   timeout 120 python3 examples/tp_linear.py 2>&1 | grep -v "^W1\|OMP_NUM\|^\*\*\*" | tee "$OUT/example.log"
@@ -49,6 +50,14 @@ if [ "$what" = verify ]; then  # after GPU code changed: correctness first, then
   NCCL_P2P_DISABLE=1 run_bench decode_no_p2p --shapes $dec --iters 200
   run_bench a2a_default_nvlink --collectives all_to_all --shapes $big --iters 10
   NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 run_bench net_transport --collectives all_reduce,reduce_scatter --shapes $big --iters 10
+fi
+if [ "$what" = probe ]; then
+  timeout 150 torchrun --nproc-per-node=2 tools/soak.py --seconds 75 --out "$OUT/soak.json" 2>&1 | grep -v "^W1\|OMP_NUM\|^\*\*\*" | tail -25
+  for c in all_reduce reduce_scatter; do
+    timeout 90 torchrun --nproc-per-node=2 tools/timeline.py --collective $c --out "$OUT/timeline_$c.json" 2>&1 | grep -v "^W1\|OMP_NUM\|^\*\*\*" | tail -5
+  done
+  run_bench ctas --collectives all_reduce,reduce_scatter --shapes 4096x8192x4096,16384x8192x4096 --max-ctas 0,4,8,16 --iters 10
+  timeout 100 python3 tools/gemm_sweep.py "$OUT/gemm_fp32.json" --fp32 2>&1 | tail -8
 fi
 if [ "$what" = sweep ]; then  # chunk counts x backends, to choose the defaults
   for b in torch cupy; do

@@ -44,17 +44,19 @@ def _split_tf32(v):
 
 @triton.jit
 def _chunked_matmul_kernel(
-    x_ref, w_ref, p_ptr, counter_ptr,
+    x_ref, w_ref, p_ptr, counter_ptr, trace_ptr,
     M, N, K,
     stride_xm, stride_xk, stride_wk, stride_wn,
     NUM_PID_M, TILES_FULL, CHUNK_ROWS, RUN_ROWS, RUN_ROWS_LAST, N_BANDS, RANK_ROWS,
     CHUNK_COLS,
     N_COL_BANDS, scale,
     RUNS: tl.constexpr, X_DESC: tl.constexpr, W_MODE: tl.constexpr,
-    HAS_SCALE: tl.constexpr, SPLIT3: tl.constexpr,
+    HAS_SCALE: tl.constexpr, SPLIT3: tl.constexpr, TRACE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(axis=0)
+    if TRACE:  # tools/timeline.py: when each tile starts and ends, its SM and chunk
+        tl.store(trace_ptr + 4 * pid, tl.extra.cuda.globaltimer())
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_pid_in_group = GROUP_M * num_pid_n
     group_id = pid // num_pid_in_group
@@ -125,7 +127,12 @@ def _chunked_matmul_kernel(
     mask = (offs_i[:, None] < valid_rows) & (offs_n[None, :] < N)
     tl.store(p_ptr + offs, y, mask=mask)
     tl.debug_barrier()
-    tl.atomic_add(counter_ptr + band_a * N_COL_BANDS + band_b, 1, sem="release", scope="gpu")
+    chunk = band_a * N_COL_BANDS + band_b
+    tl.atomic_add(counter_ptr + chunk, 1, sem="release", scope="gpu")
+    if TRACE:
+        tl.store(trace_ptr + 4 * pid + 1, tl.extra.cuda.globaltimer())
+        tl.store(trace_ptr + 4 * pid + 2, tl.extra.cuda.smid().to(tl.int64))
+        tl.store(trace_ptr + 4 * pid + 3, chunk.to(tl.int64))
 
 
 def _tma_ok(t: torch.Tensor) -> bool:
@@ -147,6 +154,7 @@ def chunked_matmul(
     plan: Plan,
     scale: float | None = None,
     use_tma: bool = True,
+    trace: torch.Tensor | None = None,
 ) -> None:
     """Launch the GEMM of ``plan`` on the current stream.
 
@@ -158,6 +166,8 @@ def chunked_matmul(
         plan: an overlap plan for these shapes.
         scale: multiply the product by this before rounding (``op="avg"``: ``1 / R``).
         use_tma: load through TMA descriptors where the strides allow (Hopper and newer).
+        trace: ``[4 * tiles]`` int64 (GPU only): per tile (program id order) its start and end
+            in ns of the GPU's global timer, its SM and its chunk (``tools/timeline.py``).
     """
     t = plan.tiles
     M, K = x.shape
@@ -175,7 +185,7 @@ def chunked_matmul(
         w_ref, w_mode = TensorDescriptor.from_tensor(w, [t.block_k, t.block_n]), W_KN
     grid = (plan.num_tile_rows * triton.cdiv(N, t.block_n),)
     _chunked_matmul_kernel[grid](
-        x_ref, w_ref, p_flat, counters,
+        x_ref, w_ref, p_flat, counters, trace if trace is not None else counters,
         M, N, K,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1),
         plan.num_tile_rows, plan.band_tile_rows(0), plan.chunk_rows, plan.run_rows,
@@ -183,7 +193,7 @@ def chunked_matmul(
         plan.n_row_bands, plan.rank_block_rows, plan.chunk_cols, plan.n_col_bands,
         1.0 if scale is None else scale,
         RUNS=plan.runs, X_DESC=x_ref is not x, W_MODE=w_mode,
-        HAS_SCALE=scale is not None, SPLIT3=split3,
+        HAS_SCALE=scale is not None, SPLIT3=split3, TRACE=trace is not None,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=plan.group_m,
         num_warps=t.num_warps, num_stages=t.num_stages,
     )  # fmt: skip
