@@ -29,29 +29,35 @@ W_POINTER, W_NK, W_KN = 0, 1, 2  # how the kernel reads w: pointers, TMA on [N, 
 
 
 @triton.jit
-def _split_tf32(v):
-    """Split fp32 ``v`` for three TF32 products: ``hi`` is ``v`` with the 13 low mantissa bits
-    cleared (what a TF32 tensor core reads; NaN stays NaN), ``lo = v - hi`` (0 for an
-    infinity, whose ``v - hi`` would be NaN) and ``fin`` is ``hi`` with infinities zeroed.
-    ``hi * hi + fin * lo + lo * fin`` then puts an Inf or NaN exactly where ``v * v`` has one,
-    which Triton's own "tf32x3" does not (it computes ``inf * 0 = NaN`` in the cross terms)."""
-    hi = (v.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
-    hi = tl.where(v != v, v, hi)
-    lo = tl.where(v == hi, 0.0, v - hi)
-    fin = tl.where(tl.abs(hi) == float("inf"), 0.0, hi)
-    return hi, lo, fin
+def _load_ab(
+    x_ref, w_ref, x_ptrs, w_ptrs, k, K, x_row0, n0, offs_k, stride_xk, stride_wk,
+    X_DESC: tl.constexpr, W_MODE: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """The ``k``-th ``[BLOCK_M, BLOCK_K]`` block of x and ``[BLOCK_K, BLOCK_N]`` block of w."""
+    k0 = tl.cast(k, tl.int64) * BLOCK_K  # pointer offsets past 2**31 elements stay exact
+    if X_DESC:
+        a = x_ref.load([x_row0, k * BLOCK_K])  # TMA zero-fills past the edges
+    else:
+        a = tl.load(x_ptrs + k0 * stride_xk, mask=offs_k[None, :] < K - k * BLOCK_K, other=0.0)
+    if W_MODE == 1:
+        b = w_ref.load([n0, k * BLOCK_K]).T
+    elif W_MODE == 2:
+        b = w_ref.load([k * BLOCK_K, n0])
+    else:
+        b = tl.load(w_ptrs + k0 * stride_wk, mask=offs_k[:, None] < K - k * BLOCK_K, other=0.0)
+    return a, b
 
 
 @triton.jit
 def _chunked_matmul_kernel(
-    x_ref, w_ref, p_ptr, counter_ptr, trace_ptr,
+    x_ref, w_ref, p_ptr, counter_ptr, trace_ptr, bad_rows_ptr, bad_cols_ptr,
     M, N, K,
     stride_xm, stride_xk, stride_wk, stride_wn,
     NUM_PID_M, TILES_FULL, CHUNK_ROWS, RUN_ROWS, RUN_ROWS_LAST, N_BANDS, RANK_ROWS,
     CHUNK_COLS,
     N_COL_BANDS, scale,
     RUNS: tl.constexpr, X_DESC: tl.constexpr, W_MODE: tl.constexpr,
-    HAS_SCALE: tl.constexpr, SPLIT3: tl.constexpr, TRACE: tl.constexpr,
+    HAS_SCALE: tl.constexpr, PRECISION: tl.constexpr, TRACE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(axis=0)
@@ -84,36 +90,40 @@ def _chunked_matmul_kernel(
 
     n0 = pid_n * BLOCK_N
     offs_k = tl.arange(0, BLOCK_K)
+    # Rows past M read row M - 1 (never stored): no M mask inside the loop.
+    offs_xm = tl.minimum(x_row0 + tl.arange(0, BLOCK_M), M - 1)
+    x_ptrs = x_ref  # unused with a descriptor
     if not X_DESC:
-        # Rows past M read row M - 1 (never stored): no M mask inside the loop.
-        offs_xm = tl.minimum(x_row0 + tl.arange(0, BLOCK_M), M - 1).to(tl.int64)
-        x_ptrs = x_ref + (offs_xm[:, None] * stride_xm + offs_k[None, :] * stride_xk)
+        x_ptrs += offs_xm.to(tl.int64)[:, None] * stride_xm + offs_k[None, :] * stride_xk
+    w_ptrs = w_ref
+    offs_wn = (n0 + tl.arange(0, BLOCK_N)) % N  # % keeps contiguity info (tl.where loses it)
     if W_MODE == 0:
-        offs_wn = ((n0 + tl.arange(0, BLOCK_N)) % N).to(tl.int64)  # % keeps contiguity info
-        w_ptrs = w_ref + (offs_k[:, None] * stride_wk + offs_wn[None, :] * stride_wn)
+        w_ptrs += offs_k[:, None] * stride_wk + offs_wn.to(tl.int64)[None, :] * stride_wn
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
-        if X_DESC:
-            a = x_ref.load([x_row0, k * BLOCK_K])  # TMA zero-fills past the edges
-        else:
-            a = tl.load(x_ptrs, mask=offs_k[None, :] < K - k * BLOCK_K, other=0.0)
-            x_ptrs += BLOCK_K * stride_xk
-        if W_MODE == 1:
-            b = w_ref.load([n0, k * BLOCK_K]).T
-        elif W_MODE == 2:
-            b = w_ref.load([k * BLOCK_K, n0])
-        else:
-            b = tl.load(w_ptrs, mask=offs_k[:, None] < K - k * BLOCK_K, other=0.0)
-            w_ptrs += BLOCK_K * stride_wk
-        if SPLIT3:  # fp32 accuracy on tensor cores (see _split_tf32)
-            a_hi, a_lo, a_fin = _split_tf32(a)
-            b_hi, b_lo, b_fin = _split_tf32(b)
-            acc = tl.dot(a_lo, b_fin, acc, input_precision="tf32")
-            acc = tl.dot(a_fin, b_lo, acc, input_precision="tf32")
-            acc = tl.dot(a_hi, b_hi, acc, input_precision="tf32")
-        else:
-            acc = tl.dot(a, b, acc, input_precision="tf32")  # 16-bit inputs ignore it
+        a, b = _load_ab(
+            x_ref, w_ref, x_ptrs, w_ptrs, k, K, x_row0, n0, offs_k, stride_xk, stride_wk,
+            X_DESC, W_MODE, BLOCK_K,
+        )  # fmt: skip
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)  # 16-bit inputs ignore it
+
+    if PRECISION == "tf32x3":
+        # Three TF32 products give fp32 accuracy but turn every Inf into NaN (inf - inf in
+        # the split). A product element is Inf or NaN iff its x row or its w column holds
+        # one; tiles that have such rows or columns redo them with one TF32 product, which
+        # keeps IEEE's Inf and NaN (the finite parts there do not matter).
+        bad_r = tl.load(bad_rows_ptr + offs_xm)
+        bad_c = tl.load(bad_cols_ptr + offs_wn)
+        if tl.max(bad_r, axis=0) + tl.max(bad_c, axis=0) > 0:
+            ieee = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k in range(0, tl.cdiv(K, BLOCK_K)):
+                a, b = _load_ab(
+                    x_ref, w_ref, x_ptrs, w_ptrs, k, K, x_row0, n0, offs_k, stride_xk,
+                    stride_wk, X_DESC, W_MODE, BLOCK_K,
+                )  # fmt: skip
+                ieee = tl.dot(a, b, ieee, input_precision="tf32")
+            acc = tl.where((bad_r[:, None] + bad_c[None, :]) > 0, ieee, acc)
 
     if HAS_SCALE:
         acc = acc * scale
@@ -173,9 +183,14 @@ def chunked_matmul(
     M, K = x.shape
     N = w.shape[1]
     # fp32 follows torch.matmul's TF32 switch: off (torch's default) means fp32 accuracy, which
-    # three TF32 products give on tensor cores (_split_tf32); "ieee" would be an FMA loop that
+    # "tf32x3" (three TF32 products) gives on tensor cores; "ieee" would be an FMA loop that
     # also needed 3x the shared memory of the tile config (seen on H200: 288 KB, over the limit).
-    split3 = x.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
+    # tf32x3 needs to know the rows of x and columns of w that hold an Inf or NaN (kernel).
+    tf32x3 = x.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
+    bad_rows = bad_cols = counters  # unused
+    if tf32x3:
+        bad_rows = (~torch.isfinite(x).all(dim=1)).to(torch.int8)
+        bad_cols = (~torch.isfinite(w).all(dim=0)).to(torch.int8)
     x_ref, w_ref, w_mode = x, w, W_POINTER
     if use_tma and _tma_ok(x):
         x_ref = TensorDescriptor.from_tensor(x, [t.block_m, t.block_k])
@@ -186,6 +201,7 @@ def chunked_matmul(
     grid = (plan.num_tile_rows * triton.cdiv(N, t.block_n),)
     _chunked_matmul_kernel[grid](
         x_ref, w_ref, p_flat, counters, trace if trace is not None else counters,
+        bad_rows, bad_cols,
         M, N, K,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1),
         plan.num_tile_rows, plan.band_tile_rows(0), plan.chunk_rows, plan.run_rows,
@@ -193,7 +209,8 @@ def chunked_matmul(
         plan.n_row_bands, plan.rank_block_rows, plan.chunk_cols, plan.n_col_bands,
         1.0 if scale is None else scale,
         RUNS=plan.runs, X_DESC=x_ref is not x, W_MODE=w_mode,
-        HAS_SCALE=scale is not None, SPLIT3=split3, TRACE=trace is not None,
+        HAS_SCALE=scale is not None, PRECISION="tf32x3" if tf32x3 else "tf32",
+        TRACE=trace is not None,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=plan.group_m,
         num_warps=t.num_warps, num_stages=t.num_stages,
     )  # fmt: skip
