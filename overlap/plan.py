@@ -12,15 +12,13 @@ Chunks form a grid of ``n_row_bands x n_col_bands``; chunk ``c = a * n_col_bands
 
 - A row band holds ``runs`` runs of consecutive rows of ``x``: ``runs = R`` for reduce-scatter
   and all-to-all (one run from each rank's block of ``M / R`` rows), ``runs = 1`` for
-  all-reduce. Run ``r`` of band ``a`` is rows ``[r * M / runs + start(a), ... + run_rows(a))``
-  of ``x``. Band 0 has ``first_run_rows`` rows per run (a smaller first chunk starts the
-  communication sooner), the middle bands ``run_rows``, the last what is left; all but the
-  last are multiples of ``block_m``, so a tile never straddles two runs or two bands and
-  always reads consecutive rows of ``x``.
+  all-reduce. Run ``r`` of band ``a`` is rows ``[r * M / runs + a * run_rows, ... + run_rows(a))``
+  of ``x``; ``run_rows`` is a multiple of ``block_m`` (all bands but the last), so a tile never
+  straddles two runs or two bands and always reads consecutive rows of ``x``.
 - Column band ``b`` is columns ``[b * chunk_cols, b * chunk_cols + cols(b))``; ``chunk_cols`` is
   a multiple of ``block_n``.
 - Slot of chunk (a, b): ``rows(a) x cols(b)`` row-major (``rows(a) = runs * run_rows(a)``),
-  starting at element ``runs * start(a) * N + b * chunk_cols * rows(a)``.
+  starting at element ``a * chunk_rows * N + b * chunk_cols * rows(a)``.
 
 So with one column band the flat buffer of all-reduce is plain row-major ``x @ w``, and in each
 chunk of reduce-scatter and all-to-all rank ``r``'s share is the contiguous range
@@ -46,10 +44,6 @@ MAX_CHUNKS = 64  # counters per context; plans never exceed it
 # K = 4096) took 0.18-0.29 ms overlapped against 0.03-0.07 ms sequential. 2e11 FLOP is about
 # 0.27 ms of bf16 GEMM on an H200; the smallest bench shape (4096x8192x4096) has 2.7e11.
 MIN_OVERLAP_FLOPS = 2e11
-# Default plans make the first row band this fraction of the others: its collective starts
-# sooner. Measured on 2x H200 (BENCHMARKS.md): see the "first band" step there.
-# ``OVERLAP_FIRST_BAND`` overrides it (read when a plan is first made; 1 means even bands).
-FIRST_BAND = 0.5
 
 # Tile configs (block_m, block_n, block_k, num_warps, num_stages); the interpreter gets small
 # tiles so CPU tests stay fast. Measured on H200 (tools/gemm_sweep.py, BENCHMARKS.md), bf16,
@@ -107,8 +101,7 @@ class Plan:
     K: int
     world_size: int
     tiles: Tiles | None = None
-    run_rows: int = 0  # rows of x per run in the middle row bands
-    first_run_rows: int = 0  # rows of x per run in row band 0 (<= run_rows)
+    run_rows: int = 0  # rows of x per run in all row bands but the last
     chunk_cols: int = 0  # columns per column band (multiple of block_n)
     group_m: int = 1  # tile-row grouping of the launch order (divides tile rows per band)
     tiles_per_chunk: tuple[int, ...] = field(default=())
@@ -130,10 +123,7 @@ class Plan:
 
     @property
     def n_row_bands(self) -> int:
-        if not self.run_rows:
-            return 0
-        rest = self.rank_block_rows - self.first_run_rows
-        return 1 + math.ceil(rest / self.run_rows) if rest > 0 else 1
+        return math.ceil(self.rank_block_rows / self.run_rows) if self.run_rows else 0
 
     @property
     def n_col_bands(self) -> int:
@@ -145,17 +135,11 @@ class Plan:
 
     @property
     def run_rows_last(self) -> int:
-        return self.rank_block_rows - self.band_start(self.n_row_bands - 1)
-
-    def band_start(self, a: int) -> int:
-        """First row of row band ``a`` within each run."""
-        return 0 if a == 0 else self.first_run_rows + (a - 1) * self.run_rows
+        return self.rank_block_rows - (self.n_row_bands - 1) * self.run_rows
 
     def band_run_rows(self, a: int) -> int:
         """Rows per run in row band ``a``."""
-        if a == self.n_row_bands - 1:
-            return self.run_rows_last
-        return self.first_run_rows if a == 0 else self.run_rows
+        return self.run_rows_last if a == self.n_row_bands - 1 else self.run_rows
 
     def band_rows(self, a: int) -> int:
         """Slot rows of row band ``a``."""
@@ -178,16 +162,15 @@ class Plan:
         ``offset`` of the flat buffer and holds ``rows x cols`` row-major; it covers slot rows
         ``[row0, row0 + rows)`` and columns ``[col0, col0 + cols)``."""
         a, b = divmod(c, self.n_col_bands)
-        row0, col0 = self.runs * self.band_start(a), b * self.chunk_cols
+        row0, col0 = a * self.chunk_rows, b * self.chunk_cols
         rows, cols = self.band_rows(a), self.band_cols(b)
         return row0 * self.N + col0 * rows, rows, cols, row0, col0
 
     def x_row(self, p: int) -> int:
         """Row of ``x`` (and of the standard product) that slot row ``p`` holds."""
-        first = self.runs * self.first_run_rows
-        a = 0 if p < first else 1 + (p - first) // self.chunk_rows
-        r, i = divmod(p - self.runs * self.band_start(a), self.band_run_rows(a))
-        return r * self.rank_block_rows + self.band_start(a) + i
+        a, q = divmod(p, self.chunk_rows)
+        r, i = divmod(q, self.band_run_rows(a))
+        return r * self.rank_block_rows + a * self.run_rows + i
 
     def describe(self) -> str:
         if self.path != "overlap":
@@ -195,8 +178,7 @@ class Plan:
         t = self.tiles
         return (
             f"{self.collective} {self.M}x{self.N}x{self.K} on {self.world_size} ranks: "
-            f"{self.n_chunks} chunks ({self.n_row_bands} row bands of {self.chunk_rows} rows, "
-            f"the first {self.runs * self.first_run_rows}, x "
+            f"{self.n_chunks} chunks ({self.n_row_bands} row bands of {self.chunk_rows} rows x "
             f"{self.n_col_bands} column bands of {self.chunk_cols}), tiles "
             f"{t.block_m}x{t.block_n}x{t.block_k}; {self.reason}"
         )
@@ -219,7 +201,6 @@ def make_plan(
     num_sms: int = 132,
     chunks: int | None = None,
     tiles: Tiles | None = None,
-    first: float | None = None,
 ) -> Plan:
     """Choose the chunk plan for ``[M, K] @ [K, N]`` followed by ``collective`` over
     ``world_size`` ranks.
@@ -227,9 +208,7 @@ def make_plan(
     ``chunks`` asks for about that many chunks (rounded to what the tiles allow); by default the
     plan aims at about two GEMM waves (``num_sms`` tiles each) per chunk, between 2 and 8 chunks:
     DESIGN.md measured 1024- and 2048-row chunks best and 512 rows worse. ``tiles`` replaces
-    the tile config of ``tiles_for`` (tests and tuning). ``first``: the first row band's size
-    as a fraction of the others (rounded to whole tiles; default ``FIRST_BAND``, 1 for even
-    bands). Splitting the first band adds one chunk.
+    the tile config of ``tiles_for`` (tests and tuning).
     """
     if collective not in COLLECTIVES:
         raise ValueError(f"collective must be one of {COLLECTIVES}, got {collective!r}")
@@ -273,20 +252,10 @@ def make_plan(
             )
         run_rows = M // runs
         chunk_cols = math.ceil(tn / min(chunks, tn)) * t.block_n
-    if first is None:
-        first = float(os.environ.get("OVERLAP_FIRST_BAND", FIRST_BAND))
-    first_rows = run_rows
-    if first < 1 and chunk_cols == tn * t.block_n:  # row bands only
-        first_rows = max(1, math.floor(run_rows // t.block_m * first)) * t.block_m
-    plan = Plan(
-        "overlap", "", collective, M, N, K, R, t,
-        run_rows=run_rows, first_run_rows=first_rows, chunk_cols=chunk_cols,
-    )  # fmt: skip
-    if plan.n_row_bands * plan.n_col_bands > MAX_CHUNKS:
-        plan = dataclasses.replace(plan, first_run_rows=run_rows)
-    # Launch order: GROUP_M tile rows at a time; it must divide every band's tile rows but the
-    # last's so that chunks finish in order.
-    group_m = math.gcd(8, plan.band_tile_rows(0), plan.runs * run_rows // t.block_m)
+    # Launch order: GROUP_M tile rows at a time; it must divide a band's tile rows so that
+    # chunks finish in order.
+    plan = Plan("overlap", "", collective, M, N, K, R, t, run_rows, chunk_cols)
+    group_m = math.gcd(8, plan.band_tile_rows(0))
     tiles = tuple(
         plan.band_tile_rows(a) * math.ceil(plan.band_cols(b) / t.block_n)
         for a in range(plan.n_row_bands)

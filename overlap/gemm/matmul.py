@@ -53,7 +53,7 @@ def _chunked_matmul_kernel(
     x_ref, w_ref, p_ptr, counter_ptr, trace_ptr, bad_rows_ptr, bad_cols_ptr,
     M, N, K,
     stride_xm, stride_xk, stride_wk, stride_wn,
-    NUM_PID_M, TILES_FIRST, TILES_FULL, FIRST_ROWS, RUN_ROWS, RUN_ROWS_LAST, N_BANDS, RANK_ROWS,
+    NUM_PID_M, TILES_FULL, CHUNK_ROWS, RUN_ROWS, RUN_ROWS_LAST, N_BANDS, RANK_ROWS,
     CHUNK_COLS,
     N_COL_BANDS, scale,
     RUNS: tl.constexpr, X_DESC: tl.constexpr, W_MODE: tl.constexpr,
@@ -72,21 +72,17 @@ def _chunked_matmul_kernel(
     pid_n = (pid % num_pid_in_group) // group_size_m
 
     # Tile row pid_m -> row band a, run r (rank block) within it, tile t within the run.
-    # Band 0 has TILES_FIRST tile rows, the middle bands TILES_FULL, the last as many or fewer.
-    band_a = tl.where(
-        pid_m < TILES_FIRST, 0, tl.minimum(1 + (pid_m - TILES_FIRST) // TILES_FULL, N_BANDS - 1)
-    )
-    run_rows = tl.where(band_a == 0, FIRST_ROWS, RUN_ROWS)
-    run_rows = tl.where(band_a == N_BANDS - 1, RUN_ROWS_LAST, run_rows)
+    # TILES_FULL: tile rows of a full band; the last band has as many or fewer.
+    band_a = tl.minimum(pid_m // TILES_FULL, N_BANDS - 1)
+    run_rows = tl.where(band_a == N_BANDS - 1, RUN_ROWS_LAST, RUN_ROWS)
     tiles_per_run = tl.cdiv(run_rows, BLOCK_M)
-    local = pid_m - tl.where(band_a == 0, 0, TILES_FIRST + (band_a - 1) * TILES_FULL)
+    local = pid_m - band_a * TILES_FULL
     run = local // tiles_per_run
     t = local - run * tiles_per_run
-    start = tl.where(band_a == 0, 0, FIRST_ROWS + (band_a - 1) * RUN_ROWS)  # within each run
-    x_row0 = run * RANK_ROWS + start + t * BLOCK_M
+    x_row0 = run * RANK_ROWS + band_a * RUN_ROWS + t * BLOCK_M
     valid_rows = tl.minimum(BLOCK_M, run_rows - t * BLOCK_M)
     band_b = (pid_n * BLOCK_N) // CHUNK_COLS
-    row0 = start * RUNS  # first slot row of the band
+    row0 = band_a * CHUNK_ROWS  # first slot row of the band
     col0 = band_b * CHUNK_COLS
     band_rows = run_rows * RUNS
     band_cols = tl.minimum(CHUNK_COLS, N - col0)
@@ -208,8 +204,8 @@ def chunked_matmul(
         bad_rows, bad_cols,
         M, N, K,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1),
-        plan.num_tile_rows, plan.band_tile_rows(0), max(1, plan.runs * plan.run_rows // t.block_m),
-        plan.first_run_rows, plan.run_rows, plan.run_rows_last,
+        plan.num_tile_rows, plan.band_tile_rows(0), plan.chunk_rows, plan.run_rows,
+        plan.run_rows_last,
         plan.n_row_bands, plan.rank_block_rows, plan.chunk_cols, plan.n_col_bands,
         1.0 if scale is None else scale,
         RUNS=plan.runs, X_DESC=x_ref is not x, W_MODE=w_mode,
