@@ -3,7 +3,7 @@
 # Usage on a 2-GPU machine: bash tools/gpu_run.sh [suite|bench|all|final|verify|sweep|probe]
 #   final: example, suite, main bench; verify: example, suite, decode/all-to-all/socket rows
 #   probe: soak, timelines, NCCL CTA limits, fp32 GEMM (after `suite`, in a second call)
-#   check: suite and soak; measure: example, both benches, even-band rows, timelines
+#   check: suite and soak; measure: example, suite, both benches, timelines
 set -u
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -64,13 +64,14 @@ if [ "$what" = check ]; then
   run_suite
   timeout 170 torchrun --nproc-per-node=2 tools/soak.py --seconds 100 --out "$OUT/soak.json" 2>&1 | grep -v "^W1\|OMP_NUM\|^\*\*\*" | tail -25
 fi
-if [ "$what" = measure ]; then
+if [ "$what" = measure ]; then  # the numbers of BENCHMARKS.md, with correctness first
   run_example
+  run_suite
   run_bench nvlink --iters 20
-  OVERLAP_FIRST_BAND=1 run_bench even_nvlink --collectives all_reduce,reduce_scatter --shapes $big --iters 20
   NCCL_P2P_DISABLE=1 run_bench no_p2p --iters 20 --shapes $big
-  NCCL_P2P_DISABLE=1 OVERLAP_FIRST_BAND=1 run_bench even_no_p2p --collectives all_reduce,reduce_scatter --shapes $big --iters 10
-  timeout 60 torchrun --nproc-per-node=2 tools/timeline.py --out "$OUT/timeline_all_reduce.json" 2>&1 | grep -v "^W1\|OMP_NUM\|^\*\*\*" | tail -3
+  for c in all_reduce reduce_scatter; do
+    timeout 60 torchrun --nproc-per-node=2 tools/timeline.py --collective $c --out "$OUT/timeline_$c.json" 2>&1 | grep -v "^W1\|OMP_NUM\|^\*\*\*" | tail -3
+  done
 fi
 if [ "$what" = sweep ]; then  # chunk counts x backends, to choose the defaults
   for b in torch cupy; do
