@@ -13,7 +13,9 @@ with ``overlap.configure(validate=True)``, ``OVERLAP_VALIDATE=1``, or
 2. After issuing the chunks, waits on the host up to ``timeout`` seconds for the last
    collective. If it does not finish (a peer died mid-call), the communicator is aborted, so
    that the GPU's streams are released, and ``TimeoutError`` is raised; the group is unusable
-   afterwards, as after any NCCL abort.
+   afterwards, as after any NCCL abort. With torch's default
+   ``TORCH_NCCL_ASYNC_ERROR_HANDLING``, its watchdog may also end the process after the abort;
+   set it to 0 to handle the error yourself (the GPU tests do).
 
 Off, the process group's own timeout governs (``init_process_group(timeout=...)``): gloo
 raises at once when a peer's connection closes, or after that timeout; torch's NCCL watchdog
