@@ -12,6 +12,9 @@ all_to_all        ``[..., N]``             ``dist.all_to_all_single(out, x @ w)`
                                            ``j`` of ``M / R`` rows goes to rank ``j``
 ================  =======================  ====================================================
 
+Failures: ``overlap.configure(validate=True)`` makes every call check that all ranks make the
+same call, with a timeout, before anything is launched (``overlap/guard.py``, RELIABILITY.md).
+
 Hazards: state (counters, the communication stream) is kept per (group, device, caller stream),
 so calls on different streams never share counters; calls on one stream are serialized by that
 stream. The Triton interpreter is used for CPU tensors only when ``TRITON_INTERPRET=1`` is set
@@ -218,6 +221,9 @@ def matmul_collective(
         TypeError: wrong dtype or type of ``x``, ``w`` or ``out``.
         ValueError: shape or device mismatch, unknown collective/op/backend, ``M`` not
             divisible by R for reduce-scatter and all-to-all.
+        overlap.RankMismatchError: (validation mode) the ranks' calls differ.
+        TimeoutError: (validation mode) a rank did not arrive, or the call's collectives did
+            not finish, within ``overlap.configure``'s timeout.
     """
     _check(x, w, collective, op, backend)
     p = _plan_checked(x, w, collective, group, chunks)
