@@ -159,6 +159,13 @@ def bench_one(
     for _ in range(10):
         ovl()
     row["host_ms_per_call"] = (time.perf_counter() - t0) / 10 * 1e3
+    # The timed call's result against the plain torch path (a bench that computes garbage fast
+    # would show here).
+    ref = x @ w
+    want = ref if coll == "all_reduce" else torch.empty_like(out)
+    _collective(coll, ref, want, group)
+    ovl()
+    row["error_vs_plain"] = ((out.float() - want.float()).norm() / want.float().norm()).item()
     torch.cuda.synchronize()
     row["peak_mb_sequential"] = _peak_mb(seq)
     row["peak_mb_overlap"] = _peak_mb(ovl)
@@ -236,6 +243,7 @@ HEADER = (
     "eta",
     "asyncTP",
     "host_ms",
+    "err",
 )
 
 
@@ -259,6 +267,7 @@ def _fmt(r: dict) -> str:
             r["eta"],
             r.get("async_tp"),
             r["host_ms_per_call"],
+            r.get("error_vs_plain"),
         )
     )
 

@@ -4,6 +4,7 @@
 #   final: example, suite, main bench; verify: example, suite, decode/all-to-all/socket rows
 #   probe: soak, timelines, NCCL CTA limits, fp32 GEMM (after `suite`, in a second call)
 #   check: suite and soak; measure: example, suite, both benches, timelines
+#   grid: persistent GEMM grids of 128 and 132 programs against one program per tile
 set -u
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -72,6 +73,11 @@ if [ "$what" = measure ]; then  # the numbers of BENCHMARKS.md, with correctness
   for c in all_reduce reduce_scatter; do
     timeout 60 torchrun --nproc-per-node=2 tools/timeline.py --collective $c --out "$OUT/timeline_$c.json" 2>&1 | grep -v "^W1\|OMP_NUM\|^\*\*\*" | tail -3
   done
+fi
+if [ "$what" = grid ]; then  # persistent GEMM grid (OVERLAP_GRID programs) vs one per tile
+  run_bench grid_tiles --collectives all_reduce,reduce_scatter --shapes $big --iters 10
+  OVERLAP_GRID=128 run_bench grid_128 --collectives all_reduce,reduce_scatter --shapes $big --iters 10
+  OVERLAP_GRID=132 run_bench grid_132 --collectives all_reduce,reduce_scatter --shapes $big --iters 10
 fi
 if [ "$what" = sweep ]; then  # chunk counts x backends, to choose the defaults
   for b in torch cupy; do
