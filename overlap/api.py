@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from . import guard
+from . import guard, tuner
 from .comm import BACKENDS, make_comm, run_chunks
 from .plan import COLLECTIVES, OPS, Plan, make_plan
 from .signal import ChunkCounters, wait_counter
@@ -108,6 +108,12 @@ def plan(
 def _plan_checked(x, w, collective, group, chunks) -> Plan:
     M, K, N = math.prod(x.shape[:-1]), x.shape[-1], w.shape[1]
     R = _world(group)
+    if chunks is None and R > 1:
+        tuned = tuner.lookup(group, M, N, K, x.dtype, collective)  # set by overlap.tune only
+        if tuned == "plain":
+            return Plan("fallback", "overlap.tune measured the plain path fastest", collective,
+                        M, N, K, R)  # fmt: skip
+        chunks = tuned
     p = make_plan(
         M, N, K, world_size=R, collective=collective, dtype_bits=x.element_size() * 8,
         interpreter=not x.is_cuda, num_sms=_num_sms(x.device), chunks=chunks,

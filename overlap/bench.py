@@ -107,7 +107,13 @@ def _cta_group(max_ctas: int):
 
 
 def bench_one(
-    shape: str, coll: str, iters: int, backend: str, chunks: int | None, ovl_group=None
+    shape: str,
+    coll: str,
+    iters: int,
+    backend: str,
+    chunks: int | None,
+    ovl_group=None,
+    tune: bool = False,
 ) -> dict:
     M, N, K = (int(v) for v in shape.split("x"))
     group = dist.group.WORLD
@@ -119,7 +125,10 @@ def bench_one(
     out_shape = (M // R, N) if coll == "reduce_scatter" else (M, N)
     out = torch.empty(out_shape, device=dev, dtype=torch.bfloat16)
     y = torch.empty(M, N, device=dev, dtype=torch.bfloat16)  # for the parts timed alone
-    p = overlap.plan(x, w, coll, chunks=chunks)
+    tuned = None
+    if tune and chunks is None:  # overlap.tune times plain / 2 / 4 / 8 chunks and keeps the best
+        tuned = overlap.tune(x, w, coll, group=ovl_group, use_cache=False).choice
+    p = overlap.plan(x, w, coll, chunks=chunks, group=ovl_group)
 
     def seq():  # what users write today
         prod = x @ w
@@ -136,6 +145,7 @@ def bench_one(
         "backend": backend,
         "plan": p.describe(),
         "chunks": p.n_chunks,
+        "tuned": tuned,
     }
     fns = {"gemm_cublas": lambda: torch.matmul(x, w, out=y)}
     if p.path == "overlap":
@@ -191,6 +201,7 @@ def main(argv: list[str] | None = None) -> None:
         default="0",
         help="CTA limits to sweep for the overlapped calls' NCCL communicator (0: default group)",
     )
+    ap.add_argument("--tune", action="store_true", help="overlap.tune each row first")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", default="bench_out/bench.json")
     args = ap.parse_args(argv)
@@ -207,7 +218,7 @@ def main(argv: list[str] | None = None) -> None:
         for coll in args.collectives.split(","):
             for chunks in chunk_list:
                 for max_ctas, group in groups.items():
-                    row = bench_one(shape, coll, args.iters, args.backend, chunks, group)
+                    row = bench_one(shape, coll, args.iters, args.backend, chunks, group, args.tune)
                     row["mode"], row["max_ctas"] = mode, max_ctas
                     rows.append(row)
                     if dist.get_rank() == 0:

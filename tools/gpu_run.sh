@@ -5,6 +5,7 @@
 #   probe: soak, timelines, NCCL CTA limits, fp32 GEMM (after `suite`, in a second call)
 #   check: suite and soak; measure: example, suite, both benches, timelines
 #   grid: persistent GEMM grids of 128 and 132 programs against one program per tile
+#   tune: both benches with overlap.tune choosing each row's plan
 set -u
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -78,6 +79,10 @@ if [ "$what" = grid ]; then  # persistent GEMM grid (OVERLAP_GRID programs) vs o
   run_bench grid_tiles --collectives all_reduce,reduce_scatter --shapes $big --iters 10
   OVERLAP_GRID=128 run_bench grid_128 --collectives all_reduce,reduce_scatter --shapes $big --iters 10
   OVERLAP_GRID=132 run_bench grid_132 --collectives all_reduce,reduce_scatter --shapes $big --iters 10
+fi
+if [ "$what" = tune ]; then  # overlap.tune per row (not yet run on a GPU)
+  run_bench tuned_nvlink --tune --iters 20
+  NCCL_P2P_DISABLE=1 run_bench tuned_no_p2p --tune --iters 20 --shapes $big
 fi
 if [ "$what" = sweep ]; then  # chunk counts x backends, to choose the defaults
   for b in torch cupy; do

@@ -1,0 +1,188 @@
+"""Chunk-count tuner (``overlap.tune``): time the candidate plans of a call, keep the fastest.
+
+``overlap.tune(x, w, collective, group=...)`` is a collective call (every rank of ``group``
+makes it, with its own ``x`` and ``w`` of the same shapes). It
+
+1. looks the call up in the disk cache (rank 0 reads it and broadcasts what it found, so all
+   ranks see the same entry);
+2. on a miss, times each candidate (chunk counts, and ``"plain"``: the matmul then one
+   collective) on every rank, takes the slowest rank's median per candidate (an all-reduce,
+   so every rank holds the same numbers) and picks the fastest; rank 0 writes the cache;
+3. registers the choice in this process for ``group``: later calls with ``chunks=None`` and
+   the same shapes, dtype and collective use it (``overlap.plan`` shows it).
+
+Calls never tune by themselves: a cold call takes the planner's default, so nothing waits on
+tuning, and the choice is the same on every rank because it only ever comes from this
+collective call. Cache key: GPU name, world size, collective, dtype, M, N, K and the NCCL
+settings that change the transport (``NCCL_P2P_DISABLE``, ``NCCL_SHM_DISABLE``,
+``NCCL_P2P_LEVEL``, ``NCCL_NET``). File: ``OVERLAP_TUNE_CACHE`` or
+``~/.cache/overlap/tuned.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import time
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+_TRANSPORT_VARS = ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "NCCL_P2P_LEVEL", "NCCL_NET")
+DEFAULT_CANDIDATES = ("plain", 2, 4, 8)
+
+# (group name, M, N, K, dtype, collective) -> chunk count or "plain"; filled by tune() only.
+_registry: dict[tuple, int | str] = {}
+
+
+@dataclass(frozen=True)
+class Tuned:
+    """What ``tune`` chose: ``choice`` (a chunk count or ``"plain"``), the slowest rank's median
+    milliseconds per candidate (as cached, on a cache hit), and ``source``: ``"measured"`` or
+    ``"cache"``."""
+
+    choice: int | str
+    ms: dict
+    source: str
+
+
+def cache_path() -> str:
+    """The tuning cache file (``OVERLAP_TUNE_CACHE`` or ``~/.cache/overlap/tuned.json``)."""
+    default = os.path.join(os.path.expanduser("~"), ".cache", "overlap", "tuned.json")
+    return os.environ.get("OVERLAP_TUNE_CACHE", default)
+
+
+def _group_name(group: dist.ProcessGroup | None) -> str:
+    return (group if group is not None else dist.group.WORLD).group_name
+
+
+def registry_key(group, M: int, N: int, K: int, dtype: torch.dtype, collective: str) -> tuple:
+    return (_group_name(group), M, N, K, str(dtype), collective)
+
+
+def lookup(group, M: int, N: int, K: int, dtype: torch.dtype, collective: str):
+    """The tuned choice for a call, or None (never tuned in this process)."""
+    if not _registry:
+        return None
+    return _registry.get(registry_key(group, M, N, K, dtype, collective))
+
+
+def _cache_key(x: torch.Tensor, M: int, N: int, K: int, R: int, collective: str) -> str:
+    gpu = torch.cuda.get_device_name(x.device) if x.is_cuda else "cpu"
+    transport = ",".join(f"{v}={os.environ.get(v, '')}" for v in _TRANSPORT_VARS)
+    return f"{gpu}|R={R}|{collective}|{x.dtype}|{M}x{N}x{K}|{transport}"
+
+
+def _read_cache(path: str) -> dict:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        return data if isinstance(data, dict) else {}
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        warnings.warn(f"ignoring the unreadable tuning cache {path}: {e}", stacklevel=3)
+        return {}
+
+
+def _write_cache(path: str, key: str, entry: dict) -> None:
+    data = _read_cache(path)
+    data[key] = entry
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+    os.replace(tmp, path)  # readers see the old file or the new one, never half of one
+
+
+def _time_ms(fn, device: torch.device, group) -> float:
+    dist.barrier(group=group)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def tune(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    collective: str = "all_reduce",
+    *,
+    group: dist.ProcessGroup | None = None,
+    candidates: tuple = DEFAULT_CANDIDATES,
+    iters: int = 5,
+    use_cache: bool = True,
+) -> Tuned:
+    """Choose the chunk count (or the plain path) for calls shaped like this one; collective
+    over ``group``.
+
+    Args:
+        x: ``[..., K]``, w: ``[K, N]``: as in ``matmul_collective`` (this rank's operands).
+        collective: "all_reduce", "reduce_scatter" or "all_to_all".
+        group: the process group the calls will use.
+        candidates: chunk counts (2-64) and/or ``"plain"``; the same on every rank.
+        iters: timed calls per candidate (after one warm-up call).
+        use_cache: read and write the disk cache (``cache_path()``).
+
+    Returns:
+        ``Tuned``; the choice is also registered for later calls in this process.
+
+    Raises:
+        ValueError: no candidates, a candidate that is neither ``"plain"`` nor in [2, 64],
+            ``iters`` < 1, or arguments ``matmul_collective`` refuses.
+    """
+    from .api import _check, matmul_collective  # api imports this module
+
+    _check(x, w, collective, "sum", "torch")
+    if not candidates or iters < 1:
+        raise ValueError("tune needs at least one candidate and iters >= 1")
+    for c in candidates:
+        if c != "plain" and not (isinstance(c, int) and 2 <= c <= 64):
+            raise ValueError(f"candidates are 'plain' or chunk counts in [2, 64], got {c!r}")
+    M, K, N = math.prod(x.shape[:-1]), x.shape[-1], w.shape[1]
+    R = dist.get_world_size(group)
+    key = _cache_key(x, M, N, K, R, collective)
+    rkey = registry_key(group, M, N, K, x.dtype, collective)
+    path = cache_path()
+    found = [None]
+    if use_cache and dist.get_rank(group) == 0:
+        found[0] = _read_cache(path).get(key)
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    dist.broadcast_object_list(found, src=src, group=group)
+    entry = found[0]
+    if entry is not None and entry.get("choice") in candidates:
+        result = Tuned(entry["choice"], entry.get("ms", {}), "cache")
+    else:
+        medians = []
+        for c in candidates:
+            # "plain" is timed through the registry (calls with chunks=None consult it)
+            _registry[rkey] = "plain"
+            chunks = None if c == "plain" else c
+
+            def call(chunks=chunks):
+                matmul_collective(x, w, collective, group=group, chunks=chunks)
+
+            call()  # warm-up (compiles kernels)
+            medians.append(statistics.median(_time_ms(call, x.device, group) for _ in range(iters)))
+        del _registry[rkey]
+        dev = x.device if x.device.type == "cuda" else torch.device("cpu")
+        t = torch.tensor(medians, dtype=torch.float64, device=dev)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)  # identical on every rank
+        ms = {str(c): v for c, v in zip(candidates, t.tolist(), strict=True)}
+        choice = candidates[min(range(len(candidates)), key=lambda i: (t[i].item(), i))]
+        result = Tuned(choice, ms, "measured")
+        if use_cache and dist.get_rank(group) == 0:
+            _write_cache(path, key, {"choice": choice, "ms": ms, "date": time.strftime("%F")})
+    _registry[rkey] = result.choice
+    return result

@@ -1,0 +1,89 @@
+"""overlap.tune on 2 gloo ranks (interpreter): one choice on every rank, used by later calls,
+cached on disk, a corrupt cache ignored. The timings themselves mean nothing on CPU."""
+
+from __future__ import annotations
+
+import os
+import random
+import tempfile
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from _dist import check_case, spawn
+
+import overlap
+from overlap.plan import make_plan
+
+
+def _tune_cases(rank, R, cache, seed):
+    os.environ["OVERLAP_TUNE_CACHE"] = cache
+    failures = []
+    x, w = torch.randn(96, 40), torch.randn(40, 64)
+    cands = ("plain", 2, 3)
+    t1 = overlap.tune(x, w, "all_reduce", candidates=cands, iters=2)
+    choices = [None] * R
+    dist.all_gather_object(choices, t1.choice)
+    if len(set(choices)) != 1 or t1.source != "measured" or set(t1.ms) != set(map(str, cands)):
+        failures.append(f"first tune: {t1} (choices on the ranks: {choices})")
+    p = overlap.plan(x, w, "all_reduce")
+    if t1.choice == "plain":
+        want = "fallback"
+        ok = p.path == "fallback" and "tune" in p.reason
+    else:
+        want = "overlap"
+        ok = p.n_chunks == make_plan(
+            96, 64, 40, world_size=R, collective="all_reduce", dtype_bits=32, interpreter=True,
+            chunks=t1.choice,
+        ).n_chunks  # fmt: skip
+    if not ok:
+        failures.append(f"a later call does not use the tuned choice {t1.choice}: {p.describe()}")
+    msg = check_case(rank, R, "cpu", "all_reduce", torch.float32, (96, 40, 64), seed, expect=want)
+    failures += [msg] if msg else []
+    t2 = overlap.tune(x, w, "all_reduce", candidates=cands, iters=2)
+    if t2.source != "cache" or t2.choice != t1.choice:
+        failures.append(f"second tune did not come from the cache: {t2}")
+    # one candidate: the choice is forced; chunk counts go through the planner
+    t3 = overlap.tune(x, w, "reduce_scatter", candidates=(3,), iters=1, use_cache=False)
+    want3 = make_plan(
+        96, 64, 40, world_size=R, collective="reduce_scatter", dtype_bits=32, interpreter=True,
+        chunks=3,
+    )  # fmt: skip
+    if t3.choice != 3 or overlap.plan(x, w, "reduce_scatter").tiles_per_chunk != (
+        want3.tiles_per_chunk
+    ):
+        failures.append(f"forced tune: {t3}")
+    msg = check_case(rank, R, "cpu", "reduce_scatter", torch.float32, (96, 40, 64), seed + 1)
+    failures += [msg] if msg else []
+    # a corrupt cache is ignored with a warning (rank 0 reads it) and rewritten
+    dist.barrier()
+    if rank == 0:
+        with open(cache, "w") as f:
+            f.write("{not json")
+    dist.barrier()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t4 = overlap.tune(x, w, "all_to_all", candidates=("plain", 2), iters=1)
+    if t4.source != "measured" or (rank == 0 and not any("tuning cache" in str(c.message)
+                                                          for c in caught)):  # fmt: skip
+        failures.append(f"corrupt cache: {t4}, warnings {[str(c.message) for c in caught]}")
+    dist.barrier()
+    if rank == 0:
+        with open(cache) as f:
+            if "all_to_all" not in f.read():
+                failures.append("the cache was not rewritten")
+    return failures
+
+
+def test_tune_agrees_caches_and_is_used():
+    with tempfile.TemporaryDirectory() as d:
+        spawn(_tune_cases, 2, os.path.join(d, "tuned.json"), random.randrange(1 << 30))
+
+
+def test_tune_rejects_bad_candidates():
+    x, w = torch.randn(8, 4), torch.randn(4, 8)
+    with pytest.raises(ValueError, match="candidates"):
+        overlap.tune(x, w, candidates=(1,))
+    with pytest.raises(ValueError, match="iters"):
+        overlap.tune(x, w, candidates=(2,), iters=0)
