@@ -103,19 +103,3 @@ def test_nan_and_inf_land_where_the_product_has_them(dtype):
     chunked_matmul(x, w, flat, counters.tensor, p)
     assert counters.tensor[: p.n_chunks].tolist() == list(p.tiles_per_chunk)
     assert not mismatch(_standard(p, flat), x.double() @ w.double(), TOL[dtype])
-
-
-@pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter"])
-@pytest.mark.parametrize("ctas", [1, 5])
-def test_persistent_grid_writes_every_slot(collective, ctas):
-    """A grid of ``ctas`` programs that each walk tiles ``ctas`` apart: same slots, counters."""
-    M, N, K = 200, 70, 48
-    p = make_plan(
-        M, N, K, world_size=2, collective=collective, dtype_bits=32, interpreter=True, chunks=3
-    )
-    x, w = torch.randn(M, K), torch.randn(N, K).t()
-    flat = torch.full((M * N,), float("nan"))
-    counters = ChunkCounters(torch.device("cpu"))
-    chunked_matmul(x, w, flat, counters.tensor, p, ctas=ctas)
-    assert not mismatch(_standard(p, flat), x.double() @ w.double(), TOL[torch.float32])
-    assert counters.tensor[: p.n_chunks].tolist() == list(p.tiles_per_chunk)

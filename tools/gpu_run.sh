@@ -4,7 +4,6 @@
 #   final: example, suite, main bench; verify: example, suite, decode/all-to-all/socket rows
 #   probe: soak, timelines, NCCL CTA limits, fp32 GEMM (after `suite`, in a second call)
 #   check: suite and soak; measure: example, suite, both benches, timelines
-#   grid: persistent GEMM grids of 128 and 132 programs against one program per tile
 #   tune: both benches with overlap.tune choosing each row's plan
 set -u
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
@@ -74,11 +73,6 @@ if [ "$what" = measure ]; then  # the numbers of BENCHMARKS.md, with correctness
   for c in all_reduce reduce_scatter; do
     timeout 60 torchrun --nproc-per-node=2 tools/timeline.py --collective $c --out "$OUT/timeline_$c.json" 2>&1 | grep -v "^W1\|OMP_NUM\|^\*\*\*" | tail -3
   done
-fi
-if [ "$what" = grid ]; then  # persistent GEMM grid (OVERLAP_GRID programs) vs one per tile
-  run_bench grid_tiles --collectives all_reduce,reduce_scatter --shapes $big --iters 10
-  OVERLAP_GRID=128 run_bench grid_128 --collectives all_reduce,reduce_scatter --shapes $big --iters 10
-  OVERLAP_GRID=132 run_bench grid_132 --collectives all_reduce,reduce_scatter --shapes $big --iters 10
 fi
 if [ "$what" = tune ]; then  # overlap.tune per row (not yet run on a GPU)
   run_bench tuned_nvlink --tune --iters 20

@@ -18,8 +18,6 @@ This file imports no ``torch.distributed``.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -51,8 +49,7 @@ def _load_ab(
 
 
 @triton.jit
-def _tile(
-    pid,
+def _chunked_matmul_kernel(
     x_ref, w_ref, p_ptr, counter_ptr, trace_ptr, bad_rows_ptr, bad_cols_ptr,
     M, N, K,
     stride_xm, stride_xk, stride_wk, stride_wn,
@@ -63,7 +60,7 @@ def _tile(
     HAS_SCALE: tl.constexpr, PRECISION: tl.constexpr, TRACE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
-    """Tile ``pid`` (launch order): its K loop, its store into the chunk's slot, the signal."""
+    pid = tl.program_id(axis=0)
     if TRACE:  # tools/timeline.py: when each tile starts and ends, its SM and chunk
         tl.store(trace_ptr + 4 * pid, tl.extra.cuda.globaltimer())
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -148,47 +145,6 @@ def _tile(
         tl.store(trace_ptr + 4 * pid + 3, chunk.to(tl.int64))
 
 
-@triton.jit
-def _chunked_matmul_kernel(
-    x_ref, w_ref, p_ptr, counter_ptr, trace_ptr, bad_rows_ptr, bad_cols_ptr,
-    M, N, K,
-    stride_xm, stride_xk, stride_wk, stride_wn,
-    NUM_PID_M, TILES_FULL, CHUNK_ROWS, RUN_ROWS, RUN_ROWS_LAST, N_BANDS, RANK_ROWS,
-    CHUNK_COLS,
-    N_COL_BANDS, scale,
-    RUNS: tl.constexpr, X_DESC: tl.constexpr, W_MODE: tl.constexpr,
-    HAS_SCALE: tl.constexpr, PRECISION: tl.constexpr, TRACE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    PERSISTENT: tl.constexpr,
-):  # fmt: skip
-    if PERSISTENT:  # a grid smaller than the tiles: each program walks tiles grid-apart
-        n_tiles = NUM_PID_M * tl.cdiv(N, BLOCK_N)
-        for pid in range(tl.program_id(axis=0), n_tiles, tl.num_programs(axis=0)):
-            _tile(
-                pid,
-                x_ref, w_ref, p_ptr, counter_ptr, trace_ptr, bad_rows_ptr, bad_cols_ptr,
-                M, N, K,
-                stride_xm, stride_xk, stride_wk, stride_wn,
-                NUM_PID_M, TILES_FULL, CHUNK_ROWS, RUN_ROWS, RUN_ROWS_LAST, N_BANDS, RANK_ROWS,
-                CHUNK_COLS,
-                N_COL_BANDS, scale,
-                RUNS, X_DESC, W_MODE, HAS_SCALE, PRECISION, TRACE,
-                BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-            )  # fmt: skip
-    else:
-        _tile(
-            tl.program_id(axis=0),
-            x_ref, w_ref, p_ptr, counter_ptr, trace_ptr, bad_rows_ptr, bad_cols_ptr,
-            M, N, K,
-            stride_xm, stride_xk, stride_wk, stride_wn,
-            NUM_PID_M, TILES_FULL, CHUNK_ROWS, RUN_ROWS, RUN_ROWS_LAST, N_BANDS, RANK_ROWS,
-            CHUNK_COLS,
-            N_COL_BANDS, scale,
-            RUNS, X_DESC, W_MODE, HAS_SCALE, PRECISION, TRACE,
-            BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-        )  # fmt: skip
-
-
 def _tma_ok(t: torch.Tensor) -> bool:
     """A 2-D tensor whose last dim is contiguous and whose rows are 16-byte aligned."""
     es = t.element_size()
@@ -209,7 +165,6 @@ def chunked_matmul(
     scale: float | None = None,
     use_tma: bool = True,
     trace: torch.Tensor | None = None,
-    ctas: int | None = None,
 ) -> None:
     """Launch the GEMM of ``plan`` on the current stream.
 
@@ -223,9 +178,6 @@ def chunked_matmul(
         use_tma: load through TMA descriptors where the strides allow (Hopper and newer).
         trace: ``[4 * tiles]`` int64 (GPU only): per tile (program id order) its start and end
             in ns of the GPU's global timer, its SM and its chunk (``tools/timeline.py``).
-        ctas: launch at most this many programs, each walking tiles ``ctas`` apart (a
-            persistent grid: waves of exactly ``ctas`` tiles, the other SMs left to NCCL).
-            Default: ``OVERLAP_GRID`` if set, else one program per tile. Experimental.
     """
     t = plan.tiles
     M, K = x.shape
@@ -246,11 +198,7 @@ def chunked_matmul(
         w_ref, w_mode = TensorDescriptor.from_tensor(w.t(), [t.block_n, t.block_k]), W_NK
     elif use_tma and _tma_ok(w):
         w_ref, w_mode = TensorDescriptor.from_tensor(w, [t.block_k, t.block_n]), W_KN
-    n_tiles = plan.num_tile_rows * triton.cdiv(N, t.block_n)
-    if ctas is None:
-        ctas = int(os.environ.get("OVERLAP_GRID", "0"))
-    persistent = 0 < ctas < n_tiles
-    grid = (ctas if persistent else n_tiles,)
+    grid = (plan.num_tile_rows * triton.cdiv(N, t.block_n),)
     _chunked_matmul_kernel[grid](
         x_ref, w_ref, p_flat, counters, trace if trace is not None else counters,
         bad_rows, bad_cols,
@@ -262,7 +210,7 @@ def chunked_matmul(
         1.0 if scale is None else scale,
         RUNS=plan.runs, X_DESC=x_ref is not x, W_MODE=w_mode,
         HAS_SCALE=scale is not None, PRECISION="tf32x3" if tf32x3 else "tf32",
-        TRACE=trace is not None, PERSISTENT=persistent,
+        TRACE=trace is not None,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=plan.group_m,
         num_warps=t.num_warps, num_stages=t.num_stages,
     )  # fmt: skip
