@@ -165,17 +165,20 @@ def tune(
         result = Tuned(entry["choice"], entry.get("ms", {}), "cache")
     else:
         medians = []
-        for c in candidates:
-            # "plain" is timed through the registry (calls with chunks=None consult it)
-            _registry[rkey] = "plain"
-            chunks = None if c == "plain" else c
+        # "plain" is timed through the registry (calls with chunks=None consult it)
+        _registry[rkey] = "plain"
+        try:
+            for c in candidates:
+                chunks = None if c == "plain" else c
 
-            def call(chunks=chunks):
-                matmul_collective(x, w, collective, group=group, chunks=chunks)
+                def call(chunks=chunks):
+                    matmul_collective(x, w, collective, group=group, chunks=chunks)
 
-            call()  # warm-up (compiles kernels)
-            medians.append(statistics.median(_time_ms(call, x.device, group) for _ in range(iters)))
-        del _registry[rkey]
+                call()  # warm-up (compiles kernels)
+                times = [_time_ms(call, x.device, group) for _ in range(iters)]
+                medians.append(statistics.median(times))
+        finally:
+            del _registry[rkey]
         dev = x.device if x.device.type == "cuda" else torch.device("cpu")
         t = torch.tensor(medians, dtype=torch.float64, device=dev)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)  # identical on every rank
