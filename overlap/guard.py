@@ -79,14 +79,18 @@ def timeout() -> float:
     return _settings["timeout"]
 
 
+def group_name(group: dist.ProcessGroup | None) -> str:
+    """The name of ``group`` (``None``: the default group), the same on all of its ranks."""
+    return (group if group is not None else dist.group.WORLD).group_name
+
+
 class Rendezvous:
     """Per-group agreement through the default store (one per (group, device, stream) context)."""
 
     def __init__(self, group: dist.ProcessGroup | None) -> None:
-        pg = group if group is not None else dist.group.WORLD
         self.store = dist.distributed_c10d._get_default_store()
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
-        self.prefix = f"overlap/{pg.group_name}/"
+        self.prefix = f"overlap/{group_name(group)}/"
         self.calls = 0
 
     def _key(self, n: int, r: int) -> str:

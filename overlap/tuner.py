@@ -32,6 +32,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .guard import group_name
+
 _TRANSPORT_VARS = ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "NCCL_P2P_LEVEL", "NCCL_NET")
 DEFAULT_CANDIDATES = ("plain", 2, 4, 8)
 
@@ -56,12 +58,8 @@ def cache_path() -> str:
     return os.environ.get("OVERLAP_TUNE_CACHE", default)
 
 
-def _group_name(group: dist.ProcessGroup | None) -> str:
-    return (group if group is not None else dist.group.WORLD).group_name
-
-
 def registry_key(group, M: int, N: int, K: int, dtype: torch.dtype, collective: str) -> tuple:
-    return (_group_name(group), M, N, K, str(dtype), collective)
+    return (group_name(group), M, N, K, str(dtype), collective)
 
 
 def lookup(group, M: int, N: int, K: int, dtype: torch.dtype, collective: str):
@@ -179,8 +177,7 @@ def tune(
                 medians.append(statistics.median(times))
         finally:
             del _registry[rkey]
-        dev = x.device if x.device.type == "cuda" else torch.device("cpu")
-        t = torch.tensor(medians, dtype=torch.float64, device=dev)
+        t = torch.tensor(medians, dtype=torch.float64, device=x.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)  # identical on every rank
         ms = {str(c): v for c, v in zip(candidates, t.tolist(), strict=True)}
         choice = candidates[min(range(len(candidates)), key=lambda i: (t[i].item(), i))]
