@@ -141,10 +141,21 @@ class _Context:
     """Per (group, device, caller stream) state, reused across calls."""
 
     group: dist.ProcessGroup | None
-    counters: ChunkCounters
+    device: torch.device
     comm_stream: torch.cuda.Stream | None
     comms: dict = field(default_factory=dict)
     rendezvous: guard.Rendezvous | None = None  # validation mode, made on first use
+    _counters: ChunkCounters | None = None  # eager calls only, made on first use
+
+    @property
+    def counters(self) -> ChunkCounters:
+        if self._counters is None:
+            self._counters = ChunkCounters(self.device)
+        return self._counters
+
+    @counters.setter
+    def counters(self, value: ChunkCounters) -> None:  # tests start them near the wrap
+        self._counters = value
 
     def comm(self, backend: str):
         if backend not in self.comms:
@@ -170,9 +181,14 @@ def _context(group: dist.ProcessGroup | None, device: torch.device) -> _Context:
         if device.type == "cuda":
             _, highest = torch.cuda.Stream.priority_range()
             comm_stream = torch.cuda.Stream(device, priority=highest)
-        ctx = _Context(group, ChunkCounters(device), comm_stream)
+        ctx = _Context(group, device, comm_stream)
         _contexts[key] = ctx
     return ctx
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    """Whether the current CUDA stream is being captured into a CUDA graph."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def _result_shape(x: torch.Tensor, N: int, collective: str, R: int) -> tuple[int, ...]:
@@ -249,7 +265,7 @@ def matmul_collective(
         ctx.agree(p, x.dtype, op, backend)  # before anything is launched
     if p.path != "overlap":
         _plain(x2, w, out2, p, scale, group)
-        if ctx is not None and guard.validating() and x.is_cuda:
+        if ctx is not None and guard.validating() and x.is_cuda and not _capturing(x):
             guard.watch(torch.cuda.current_stream(x.device), ctx.comm("torch").abort, p.describe())
         return out
 
@@ -277,8 +293,15 @@ def _overlapped(x2, w, out2, p: Plan, scale, ctx: _Context, comm, trace=None) ->
     recv_flat = None
     if p.collective != "all_reduce" and not in_place:
         recv_flat = torch.empty(out2.numel(), dtype=dtype, device=device)
-    targets = ctx.counters.targets(p.tiles_per_chunk)
-    views = ctx.counters.views
+    capturing = _capturing(x2)
+    if capturing:
+        # A CUDA graph replays the targets it captured, so it gets counters of its own, zeroed
+        # by the graph itself (on the caller stream, before `s` forks from it) at every replay.
+        counters = torch.zeros(p.n_chunks, dtype=torch.int32, device=device)
+        targets, views = list(p.tiles_per_chunk), counters.split(1)
+    else:
+        counters = ctx.counters.tensor
+        targets, views = ctx.counters.targets(p.tiles_per_chunk), ctx.counters.views
     s = ctx.comm_stream  # None on CPU: the interpreter runs the kernel to completion, then gloo
 
     def wait(c: int) -> None:
@@ -293,8 +316,9 @@ def _overlapped(x2, w, out2, p: Plan, scale, ctx: _Context, comm, trace=None) ->
             caller = torch.cuda.current_stream(device)
             s.wait_stream(caller)  # inputs and buffers are ready before `s` touches them
         tiles = trace.tiles if trace is not None else None
-        chunked_matmul(x2, w, p_flat, ctx.counters.tensor, p, scale, trace=tiles)
-        ctx.counters.commit(targets)
+        chunked_matmul(x2, w, p_flat, counters, p, scale, trace=tiles)
+        if not capturing:
+            ctx.counters.commit(targets)
         try:
             with torch.cuda.stream(s):
                 run_chunks(p, comm, p_flat, out2, recv_flat, wait)
@@ -306,7 +330,7 @@ def _overlapped(x2, w, out2, p: Plan, scale, ctx: _Context, comm, trace=None) ->
                 # are free to reuse once this call's work on `s` is done (also when a chunk's
                 # collective raised: the chunks issued before it still use them).
                 caller.wait_stream(s)
-        if guard.validating():
+        if guard.validating() and not capturing:  # a capturing stream cannot be queried
             guard.watch(s, comm.abort, p.describe())
 
 

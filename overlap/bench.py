@@ -61,6 +61,20 @@ def _time_all(fns: dict, iters: int, warmup: int = 3) -> dict:
     return dict(zip(fns, t.tolist(), strict=True))
 
 
+def _graphed(fn):
+    """``fn`` captured in a CUDA graph (after one warm-up call on a side stream): the replay
+    costs one launch of host time however many kernels and collectives ``fn`` issues."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def _peak_mb(fn) -> float:
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
@@ -114,6 +128,7 @@ def bench_one(
     chunks: int | None,
     ovl_group=None,
     tune: bool = False,
+    graph: bool = False,
 ) -> dict:
     M, N, K = (int(v) for v in shape.split("x"))
     group = dist.group.WORLD
@@ -158,11 +173,14 @@ def bench_one(
     fns["comm"] = lambda: _collective(coll, y, out, group)
     fns["sequential"] = seq
     fns["overlap"] = ovl
-    if coll == "reduce_scatter":
+    if coll == "reduce_scatter" and not graph:
         fused = _async_tp(x, w, group)
         row["async_tp"] = None
         if fused is not None:
             fns["async_tp"] = fused
+    row["graph"] = graph
+    if graph:  # every timed function replays a CUDA graph of itself
+        fns = {name: _graphed(fn) for name, fn in fns.items()}
     row.update(_time_all(fns, iters))
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -202,6 +220,9 @@ def main(argv: list[str] | None = None) -> None:
         help="CTA limits to sweep for the overlapped calls' NCCL communicator (0: default group)",
     )
     ap.add_argument("--tune", action="store_true", help="overlap.tune each row first")
+    ap.add_argument(
+        "--graph", action="store_true", help="time CUDA-graph replays of every function"
+    )
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", default="bench_out/bench.json")
     args = ap.parse_args(argv)
@@ -218,7 +239,9 @@ def main(argv: list[str] | None = None) -> None:
         for coll in args.collectives.split(","):
             for chunks in chunk_list:
                 for max_ctas, group in groups.items():
-                    row = bench_one(shape, coll, args.iters, args.backend, chunks, group, args.tune)
+                    row = bench_one(
+                        shape, coll, args.iters, args.backend, chunks, group, args.tune, args.graph
+                    )
                     row["mode"], row["max_ctas"] = mode, max_ctas
                     rows.append(row)
                     if dist.get_rank() == 0:

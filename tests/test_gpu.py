@@ -195,3 +195,78 @@ def test_faults_raise_instead_of_hanging(scenario, monkeypatch):
     # torch's watchdog would end the process after our abort; we want to see our error
     monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
     spawn(fault_scenarios, 2, scenario, "cuda", backend="nccl")
+
+
+def _reference(coll: str, x: torch.Tensor, w: torch.Tensor, R: int) -> torch.Tensor:
+    """float64 ``collective(x @ w)`` through torch.distributed."""
+    import torch.distributed as dist
+
+    prod = x.double().reshape(-1, x.shape[-1]) @ w.double()
+    if coll == "all_reduce":
+        dist.all_reduce(prod)
+        return prod.reshape(*x.shape[:-1], -1)
+    if coll == "reduce_scatter":
+        out = prod.new_empty(prod.shape[0] // R, prod.shape[1])
+        dist.reduce_scatter_tensor(out, prod)
+        return out
+    out = torch.empty_like(prod)
+    dist.all_to_all_single(out, prod)
+    return out.reshape(*x.shape[:-1], -1)
+
+
+def _graphs(rank, R, seed, backend):
+    """Overlapped calls captured in one CUDA graph and replayed on fresh inputs: every replay
+    must wait for its own tiles (the graph zeroes its counters), eager calls between replays
+    must keep working, and outputs start as NaN before each replay."""
+    import overlap
+
+    dev = torch.device(f"cuda:{rank}")
+    g = torch.Generator(device=dev).manual_seed(seed + rank)
+    failures = []
+    # (collective, x shape, w shape [K, N], chunks): row bands, then column bands (decode).
+    cases = [(c, (2048, 1024), (1024, 2048), 4) for c in COLLECTIVES]
+    cases += [(c, (128, 4096), (4096, 4096), 2) for c in COLLECTIVES]
+    xs = [torch.empty(xs_, device=dev, dtype=torch.bfloat16) for _, xs_, _, _ in cases]
+    ws = [torch.randn(ws_, device=dev, generator=g, dtype=torch.bfloat16) / 32
+          for _, _, ws_, _ in cases]  # fmt: skip
+    outs = [torch.empty(x.shape[0] // (R if c == "reduce_scatter" else 1), w.shape[1],
+                        device=dev, dtype=torch.bfloat16)
+            for (c, *_), x, w in zip(cases, xs, ws, strict=True)]  # fmt: skip
+
+    def calls():
+        for (coll, _, _, chunks), x, w, out in zip(cases, xs, ws, outs, strict=True):
+            overlap.matmul_collective(x, w, coll, out=out, chunks=chunks, backend=backend)
+
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):  # warm-up: kernels compiled, communicators made
+        for x in xs:
+            x.normal_(generator=g)
+        calls()
+    torch.cuda.synchronize(dev)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        calls()
+    for replay in range(3):
+        for x, out in zip(xs, outs, strict=True):
+            x.normal_(generator=g)
+            out.fill_(float("nan"))
+        graph.replay()
+        for (coll, *_), x, w, out in zip(cases, xs, ws, outs, strict=True):
+            why = mismatch(out, _reference(coll, x, w, R), TOL[torch.bfloat16])
+            failures += [f"replay {replay} {coll} {tuple(x.shape)}: {why}"] if why else []
+        msg = check_case(  # an eager call between replays: its counters are untouched
+            rank, R, str(dev), COLLECTIVES[replay], torch.bfloat16, (1024, 512, 1024),
+            seed + replay, chunks=4, backend=backend,
+        )  # fmt: skip
+        failures += [msg] if msg else []
+    return failures
+
+
+@pytest.mark.parametrize("backend", ["torch", "cupy"])
+def test_cuda_graph_capture_and_replay(backend, monkeypatch):
+    _need_gpus(2)
+    if backend == "cupy":
+        pytest.importorskip("cupy")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    spawn(_graphs, 2, random.randrange(1 << 30), backend, backend="nccl")

@@ -45,6 +45,34 @@ def test_counter_wrap_and_nan_inf_end_to_end():
     spawn(_wrap_and_specials, 2, random.randrange(1 << 30))
 
 
+def _capture_branch(rank, R, seed):
+    """The branch taken under CUDA-graph capture (forced here on CPU): each call counts on
+    counters of its own starting at 0 and leaves the eager counters alone. Replays of real
+    graphs run in test_gpu.py."""
+    import overlap.api as api
+
+    cpu = torch.device("cpu")
+    ctx = api._context(None, cpu)
+    ctx.counters = ChunkCounters(cpu, start=1000)  # eager targets would be 1000 + tiles
+    before, expected = ctx.counters.tensor.clone(), list(ctx.counters.expected)
+    real, api._capturing = api._capturing, lambda t: True
+    failures = []
+    try:
+        for i, coll in enumerate(("all_reduce", "reduce_scatter", "all_to_all") * 2):
+            msg = check_case(rank, R, "cpu", coll, torch.float32, (64, 40, 48), seed + i, chunks=3)
+            failures += [msg] if msg else []
+    finally:
+        api._capturing = real
+    if not torch.equal(ctx.counters.tensor, before) or ctx.counters.expected != expected:
+        failures.append("a captured call changed the eager counters")
+    msg = check_case(rank, R, "cpu", "all_reduce", torch.float32, (64, 40, 48), seed, chunks=3)
+    return failures + ([msg] if msg else [])
+
+
+def test_capture_branch_uses_its_own_counters():
+    spawn(_capture_branch, 2, random.randrange(1 << 30))
+
+
 def _groups(rank, R, seed):
     """World, pairs {0,1} {2,3} and {0,2} {1,3}: calls interleaved across groups and two
     models (weights drawn per call), each group with its own counters and checked result."""

@@ -5,6 +5,8 @@
 #   probe: soak, timelines, NCCL CTA limits, fp32 GEMM (after `suite`, in a second call)
 #   check: suite and soak; measure: example, suite, both benches, timelines
 #   tune: both benches with overlap.tune choosing each row's plan
+#   graphs: suite, then decode and one large shape timed as CUDA-graph replays
+#   nccl_env: NCCL protocol / channel settings on two large shapes (contention probe)
 set -u
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -74,7 +76,22 @@ if [ "$what" = measure ]; then  # the numbers of BENCHMARKS.md, with correctness
     timeout 60 torchrun --nproc-per-node=2 tools/timeline.py --collective $c --out "$OUT/timeline_$c.json" 2>&1 | grep -v "^W1\|OMP_NUM\|^\*\*\*" | tail -3
   done
 fi
-if [ "$what" = tune ]; then  # overlap.tune per row (not yet run on a GPU)
+if [ "$what" = graphs ]; then
+  run_suite
+  dec=16x8192x4096,128x8192x4096
+  run_bench graph_decode_nvlink --graph --shapes $dec --chunks 2,4 --iters 100
+  NCCL_P2P_DISABLE=1 run_bench graph_decode_no_p2p --graph --shapes $dec --chunks 2,4 --iters 100
+  run_bench graph_large_nvlink --graph --shapes 4096x8192x4096 --collectives all_reduce,reduce_scatter --iters 20
+fi
+if [ "$what" = nccl_env ]; then
+  two=4096x8192x4096,16384x8192x4096
+  for v in "NCCL_PROTO=Simple" "NCCL_PROTO=LL128" "NCCL_MIN_NCHANNELS=32"; do
+    export "$v"
+    run_bench "env_${v//=/_}" --collectives all_reduce,reduce_scatter --shapes $two --iters 10
+    unset "${v%%=*}"
+  done
+fi
+if [ "$what" = tune ]; then  # overlap.tune per row
   run_bench tuned_nvlink --tune --iters 20
   NCCL_P2P_DISABLE=1 run_bench tuned_no_p2p --tune --iters 20 --shapes $big
 fi
