@@ -27,7 +27,7 @@ import contextlib
 import functools
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -143,7 +143,6 @@ class _Context:
     group: dist.ProcessGroup | None
     device: torch.device
     comm_stream: torch.cuda.Stream | None
-    comms: dict = field(default_factory=dict)
     rendezvous: guard.Rendezvous | None = None  # validation mode, made on first use
     _counters: ChunkCounters | None = None  # eager calls only, made on first use
 
@@ -158,9 +157,14 @@ class _Context:
         self._counters = value
 
     def comm(self, backend: str):
-        if backend not in self.comms:
-            self.comms[backend] = make_comm(backend, self.group)
-        return self.comms[backend]
+        """The group's communicator through ``backend``, one per (group, device, backend) for
+        every caller stream: a CUDA graph captures on a stream of its own, and a communicator
+        cannot be made during capture. NCCL runs one communicator's collectives in issue
+        order, whatever stream issued them."""
+        key = (self.group, str(self.device), backend)
+        if key not in _comms:
+            _comms[key] = make_comm(backend, self.group)
+        return _comms[key]
 
     def agree(self, p: Plan, dtype: torch.dtype, op: str, backend: str) -> None:
         """Validation mode: every rank makes this same call (``overlap.guard``)."""
@@ -170,6 +174,7 @@ class _Context:
 
 
 _contexts: dict[tuple, _Context] = {}
+_comms: dict[tuple, object] = {}
 
 
 def _context(group: dist.ProcessGroup | None, device: torch.device) -> _Context:

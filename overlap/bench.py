@@ -10,7 +10,9 @@ memory of the sequential and the overlapped call, and host time per overlapped c
 Timing: CUDA events around each call, ranks lined up by a barrier and a ~1 ms GPU sleep before
 each timed call, so the host has queued the whole call before the GPU reaches it, as in a
 training step whose host runs ahead; the host time per call is reported beside it. Median over
-the iterations, max over ranks. Prints a table; rank 0 writes JSON.
+the iterations, max over ranks. Prints a table; rank 0 writes JSON. ``--graph`` times
+CUDA-graph replays of every function instead (no host time at all); ``--tune`` lets
+``overlap.tune`` choose each row's plan first.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 import overlap
+from overlap.tuner import time_queued
 
 SHAPES = [
     "4096x8192x4096",
@@ -44,18 +47,10 @@ def _time_all(fns: dict, iters: int, warmup: int = 3) -> dict:
         for _ in range(warmup):
             fn()
     times: dict = {name: [] for name in fns}
+    dev = torch.device("cuda", torch.cuda.current_device())
     for _ in range(iters):
         for name, fn in fns.items():
-            dist.barrier()
-            torch.cuda.synchronize()
-            torch.cuda._sleep(2_000_000)  # ~1 ms: the host queues the call before the GPU gets it
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times[name].append(start.elapsed_time(end))
+            times[name].append(time_queued(fn, dev, None)[0])
     t = torch.tensor([statistics.median(v) for v in times.values()], device="cuda")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return dict(zip(fns, t.tolist(), strict=True))
@@ -142,7 +137,7 @@ def bench_one(
     y = torch.empty(M, N, device=dev, dtype=torch.bfloat16)  # for the parts timed alone
     tuned = None
     if tune and chunks is None:  # overlap.tune times plain / 2 / 4 / 8 chunks and keeps the best
-        tuned = overlap.tune(x, w, coll, group=ovl_group, use_cache=False).choice
+        tuned = overlap.tune(x, w, coll, group=ovl_group, use_cache=False)
     p = overlap.plan(x, w, coll, chunks=chunks, group=ovl_group)
 
     def seq():  # what users write today
@@ -160,7 +155,8 @@ def bench_one(
         "backend": backend,
         "plan": p.describe(),
         "chunks": p.n_chunks,
-        "tuned": tuned,
+        "tuned": tuned and tuned.choice,
+        "tuned_ms": tuned and tuned.ms,
     }
     fns = {"gemm_cublas": lambda: torch.matmul(x, w, out=y)}
     if p.path == "overlap":

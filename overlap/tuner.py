@@ -6,8 +6,10 @@ makes it, with its own ``x`` and ``w`` of the same shapes). It
 1. looks the call up in the disk cache (rank 0 reads it and broadcasts what it found, so all
    ranks see the same entry);
 2. on a miss, times each candidate (chunk counts, and ``"plain"``: the matmul then one
-   collective) on every rank, takes the slowest rank's median per candidate (an all-reduce,
-   so every rank holds the same numbers) and picks the fastest; rank 0 writes the cache;
+   collective) on every rank, as the bench does: each call's GPU time with the host queued
+   ahead, or its host time where that is larger (``time_queued``); takes the slowest rank's
+   median per candidate (an all-reduce, so every rank holds the same numbers) and picks the
+   fastest; rank 0 writes the cache;
 3. registers the choice in this process for ``group``: later calls with ``chunks=None`` and
    the same shapes, dtype and collective use it (``overlap.plan`` shows it).
 
@@ -97,19 +99,28 @@ def _write_cache(path: str, key: str, entry: dict) -> None:
     os.replace(tmp, path)  # readers see the old file or the new one, never half of one
 
 
-def _time_ms(fn, device: torch.device, group) -> float:
+def time_queued(fn, device: torch.device, group) -> tuple[float, float]:
+    """``(gpu_ms, host_ms)`` of one ``fn()``: the ranks meet at a barrier, then the GPU sleeps
+    ~1 ms so that the host queues the whole call before the GPU reaches it (as in a training
+    step whose host runs ahead); ``gpu_ms`` is the GPU's time for the call from CUDA events,
+    ``host_ms`` the host's time to issue it. A stream of such calls costs about the larger of
+    the two per call. On CPU both are the host's time."""
     dist.barrier(group=group)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+    if device.type != "cuda":
+        t0 = time.perf_counter()
         fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end)
+        ms = (time.perf_counter() - t0) * 1e3
+        return ms, ms
+    torch.cuda.synchronize(device)
+    torch.cuda._sleep(2_000_000)  # ~1 ms at H100/H200 clocks
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     t0 = time.perf_counter()
+    start.record()
     fn()
-    return (time.perf_counter() - t0) * 1e3
+    end.record()
+    host_ms = (time.perf_counter() - t0) * 1e3
+    end.synchronize()
+    return start.elapsed_time(end), host_ms
 
 
 def tune(
@@ -173,7 +184,8 @@ def tune(
                     matmul_collective(x, w, collective, group=group, chunks=chunks)
 
                 call()  # warm-up (compiles kernels)
-                times = [_time_ms(call, x.device, group) for _ in range(iters)]
+                # a call costs its GPU time, or its host time where the host is slower
+                times = [max(time_queued(call, x.device, group)) for _ in range(iters)]
                 medians.append(statistics.median(times))
         finally:
             del _registry[rkey]

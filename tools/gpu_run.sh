@@ -4,7 +4,7 @@
 #   final: example, suite, main bench; verify: example, suite, decode/all-to-all/socket rows
 #   probe: soak, timelines, NCCL CTA limits, fp32 GEMM (after `suite`, in a second call)
 #   check: suite and soak; measure: example, suite, both benches, timelines
-#   tune: both benches with overlap.tune choosing each row's plan
+#   tune: both benches with overlap.tune choosing each row's plan (suite_tune: suite first)
 #   graphs: suite, then decode and one large shape timed as CUDA-graph replays
 #   nccl_env: NCCL protocol / channel settings on two large shapes (contention probe)
 set -u
@@ -91,7 +91,8 @@ if [ "$what" = nccl_env ]; then
     unset "${v%%=*}"
   done
 fi
-if [ "$what" = tune ]; then  # overlap.tune per row
+if [ "$what" = tune ] || [ "$what" = suite_tune ]; then  # overlap.tune per row
+  [ "$what" = suite_tune ] && run_suite
   run_bench tuned_nvlink --tune --iters 20
   NCCL_P2P_DISABLE=1 run_bench tuned_no_p2p --tune --iters 20 --shapes $big
 fi
