@@ -44,6 +44,11 @@ def _tune_cases(rank, R, cache, seed):
     t2 = overlap.tune(x, w, "all_reduce", candidates=cands, iters=2)
     if t2.source != "cache" or t2.choice != t1.choice:
         failures.append(f"second tune did not come from the cache: {t2}")
+    # GPU-only timing (calls replayed by CUDA graphs) is a cache entry of its own
+    t2g = overlap.tune(x, w, "all_reduce", candidates=cands, iters=1, count_host=False)
+    if t2g.source != "measured":
+        failures.append(f"count_host=False came from the count_host=True entry: {t2g}")
+    t1 = overlap.tune(x, w, "all_reduce", candidates=cands, iters=2)  # registered again
     # one candidate: the choice is forced; chunk counts go through the planner
     t3 = overlap.tune(x, w, "reduce_scatter", candidates=(3,), iters=1, use_cache=False)
     want3 = make_plan(

@@ -1,0 +1,88 @@
+"""Where the host time of an overlapped call goes: cProfile over many calls, on 2 GPUs.
+
+    torchrun --nproc-per-node=2 tools/host_profile.py --shape 4096x8192x4096 \
+        --collective reduce_scatter --backend torch --out host.txt
+
+Rank 0 prints (and writes) the host milliseconds per call of the plain and the overlapped
+path and the functions that take the most time, own time first. The GPU sleeps between
+calls so that the host never waits for it and only the host's own work is measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import time
+
+
+def main() -> None:
+    import torch
+    import torch.distributed as dist
+
+    import overlap
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", default="4096x8192x4096")
+    ap.add_argument("--collective", default="reduce_scatter")
+    ap.add_argument("--backend", default="torch")
+    ap.add_argument("--calls", type=int, default=50)
+    ap.add_argument("--out", default="host_profile.txt")
+    args = ap.parse_args()
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local)
+    dev = torch.device("cuda", local)
+    dist.init_process_group("nccl", device_id=dev)
+    M, N, K = (int(v) for v in args.shape.split("x"))
+    x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(N, K, device=dev, dtype=torch.bfloat16).t()
+
+    R = dist.get_world_size()
+    out = torch.empty(M // R if args.collective == "reduce_scatter" else M, N, dtype=x.dtype,
+                      device=dev)  # fmt: skip
+
+    def plain():  # what users write today
+        y = x @ w
+        if args.collective == "all_reduce":
+            dist.all_reduce(y)
+        elif args.collective == "reduce_scatter":
+            dist.reduce_scatter_tensor(out, y)
+        else:
+            dist.all_to_all_single(out, y)
+
+    def ovl():
+        overlap.matmul_collective(x, w, args.collective, out=out, backend=args.backend)
+
+    lines = [f"{args.shape} {args.collective} backend={args.backend} {torch.__version__}"]
+    for what, run in (("plain: x @ w, then the collective", plain),
+                      (overlap.plan(x, w, args.collective).describe(), ovl)):  # fmt: skip
+        for _ in range(3):
+            run()  # compile, make communicators
+        torch.cuda.synchronize()
+        prof = cProfile.Profile()
+        host = 0.0
+        for _ in range(args.calls):
+            dist.barrier()
+            torch.cuda._sleep(20_000_000)  # ~10 ms: the GPU never holds the host back
+            t0 = time.perf_counter()
+            prof.enable()
+            run()
+            prof.disable()
+            host += time.perf_counter() - t0
+            torch.cuda.synchronize()
+        lines.append(f"\n== {what}\nhost ms per call: {host / args.calls * 1e3:.3f}")
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
+        lines.append(buf.getvalue())
+    if dist.get_rank() == 0:
+        text = "\n".join(lines)
+        print(text)
+        with open(args.out, "w") as f:
+            f.write(text)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
