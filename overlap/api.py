@@ -35,7 +35,7 @@ import torch.distributed as dist
 from . import guard, tuner
 from .comm import BACKENDS, make_comm, run_chunks
 from .plan import COLLECTIVES, OPS, Plan, make_plan
-from .signal import ChunkCounters, wait_counter
+from .signal import ChunkCounters, current_raw_stream, wait_counter
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -178,7 +178,7 @@ _comms: dict[tuple, object] = {}
 
 
 def _context(group: dist.ProcessGroup | None, device: torch.device) -> _Context:
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    stream = current_raw_stream(device) if device.type == "cuda" else 0
     key = (group, str(device), stream)
     ctx = _contexts.get(key)
     if ctx is None:

@@ -161,10 +161,19 @@ class Plan:
         """``(offset, rows, cols, row0, col0)`` of chunk ``c``: its slot starts at element
         ``offset`` of the flat buffer and holds ``rows x cols`` row-major; it covers slot rows
         ``[row0, row0 + rows)`` and columns ``[col0, col0 + cols)``."""
-        a, b = divmod(c, self.n_col_bands)
-        row0, col0 = a * self.chunk_rows, b * self.chunk_cols
-        rows, cols = self.band_rows(a), self.band_cols(b)
-        return row0 * self.N + col0 * rows, rows, cols, row0, col0
+        return self._slots[c]
+
+    @functools.cached_property
+    def _slots(self) -> tuple[tuple[int, int, int, int, int], ...]:
+        # computed once per plan: calls reuse plans (make_plan is cached), and the host time
+        # of a call is what small products pay for
+        slots = []
+        for c in range(self.n_chunks):
+            a, b = divmod(c, self.n_col_bands)
+            row0, col0 = a * self.chunk_rows, b * self.chunk_cols
+            rows, cols = self.band_rows(a), self.band_cols(b)
+            slots.append((row0 * self.N + col0 * rows, rows, cols, row0, col0))
+        return tuple(slots)
 
     def x_row(self, p: int) -> int:
         """Row of ``x`` (and of the standard product) that slot row ``p`` holds."""

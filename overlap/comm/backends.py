@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..signal import current_raw_stream
+
 BACKENDS = ("torch", "cupy")
 
 
@@ -64,13 +66,9 @@ class CupyComm:
         self.comm = nccl.NcclCommunicator(size, uid[0], rank)
         self.size = size
 
-    @staticmethod
-    def _stream() -> int:
-        return torch.cuda.current_stream().cuda_stream
-
     def all_reduce(self, buf: torch.Tensor) -> None:
-        p = buf.data_ptr()
-        self.comm.allReduce(p, p, buf.numel(), _NCCL_DTYPES[buf.dtype], _NCCL_SUM, self._stream())
+        p, s = buf.data_ptr(), current_raw_stream(buf.device)
+        self.comm.allReduce(p, p, buf.numel(), _NCCL_DTYPES[buf.dtype], _NCCL_SUM, s)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         self.comm.reduceScatter(
@@ -79,11 +77,11 @@ class CupyComm:
             out.numel(),
             _NCCL_DTYPES[out.dtype],
             _NCCL_SUM,
-            self._stream(),
+            current_raw_stream(out.device),
         )
 
     def all_to_all(self, outs: list[torch.Tensor], ins: list[torch.Tensor]) -> None:
-        s, nccl = self._stream(), self._nccl
+        s, nccl = current_raw_stream(ins[0].device), self._nccl
         nccl.groupStart()
         for peer in range(self.size):
             dt = _NCCL_DTYPES[ins[peer].dtype]

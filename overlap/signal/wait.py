@@ -77,6 +77,15 @@ def _spin(stream: torch.cuda.Stream, counter: torch.Tensor, target: int) -> None
         spin_until(counter, target)
 
 
+def current_raw_stream(device: torch.device) -> int:
+    """Handle of ``device``'s current CUDA stream; ~20x cheaper on the host than
+    ``torch.cuda.current_stream(device).cuda_stream`` (torch's own raw getter, used by its
+    compiler's generated code, where this torch has it)."""
+    get = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return get(index) if get is not None else torch.cuda.current_stream(index).cuda_stream
+
+
 def wait_counter(counter: torch.Tensor, target: int, stream: torch.cuda.Stream | None) -> None:
     """Order everything issued later on ``stream`` after ``counter[0]`` reaches ``target``.
 
