@@ -7,6 +7,8 @@
 #   tune: both benches with overlap.tune choosing each row's plan (suite_tune: suite first)
 #   graphs: suite, then decode and one large shape timed as CUDA-graph replays
 #   nccl_env: NCCL protocol / channel settings on two large shapes (contention probe)
+#   host: host time per call (tools/host_profile.py); verify_host: example, suite, host
+#   benches: main bench (NVLink, no P2P) and the tuned bench on the large shapes
 set -u
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -90,6 +92,19 @@ if [ "$what" = nccl_env ]; then
     run_bench "env_${v//=/_}" --collectives all_reduce,reduce_scatter --shapes $two --iters 10
     unset "${v%%=*}"
   done
+fi
+if [ "$what" = host ] || [ "$what" = verify_host ]; then  # host time per call, and where it goes
+  if [ "$what" = verify_host ]; then run_example; run_suite; fi
+  for b in torch cupy; do
+    timeout 120 torchrun --nproc-per-node=2 tools/host_profile.py --backend $b \
+      --out "$OUT/host_$b.txt" > /dev/null 2>&1
+    grep "host ms\|^== " "$OUT/host_$b.txt"
+  done
+fi
+if [ "$what" = benches ]; then  # the current-code tables of BENCHMARKS.md
+  run_bench nvlink --iters 20
+  NCCL_P2P_DISABLE=1 run_bench no_p2p --iters 20 --shapes $big
+  run_bench tuned_gpu_nvlink --tune --iters 20 --shapes $big --collectives all_reduce,reduce_scatter
 fi
 if [ "$what" = tune ] || [ "$what" = suite_tune ]; then  # overlap.tune per row
   [ "$what" = suite_tune ] && run_suite
