@@ -27,7 +27,10 @@ def main(out_png, paths):
         panels.append((title, rows, d["meta"]["mode"] == "default"))
     fig, axes = plt.subplots(len(panels), 1, figsize=(12, 3.6 * len(panels)), squeeze=False)
     for ax, (title, rows, peer) in zip(axes[:, 0], panels, strict=True):
-        labels = [f"{r['shape']}\n{r['collective']}" for r in rows]
+        labels = [
+            f"{r['shape'].rsplit('x', 1)[0]}\nx{r['shape'].rsplit('x', 1)[1]}\n{r['collective']}"
+            for r in rows
+        ]
         xs = range(len(rows))
         limit = [max(r["gemm_cublas"], r["comm"]) / r["sequential"] for r in rows]
         ovl = [r["overlap"] / r["sequential"] for r in rows]
