@@ -17,7 +17,9 @@ same call, with a timeout, before anything is launched (``overlap/guard.py``, RE
 
 Hazards: state (counters, the communication stream) is kept per (group, device, caller stream),
 so calls on different streams never share counters; calls on one stream are serialized by that
-stream. The Triton interpreter is used for CPU tensors only when ``TRITON_INTERPRET=1`` is set
+stream. Communicators are kept per (group, device, backend). Calls can be captured in CUDA
+graphs (after one eager warm-up call): a captured call counts on counters of its own that the
+graph zeroes at every replay. The Triton interpreter is used for CPU tensors only when ``TRITON_INTERPRET=1`` is set
 before ``overlap`` first launches a kernel (Triton reads it when the kernel is defined).
 """
 
