@@ -1,7 +1,7 @@
 """Single-GPU sweep of the chunk-slot GEMM (all-reduce plan, TMA loads, w = weight.t()) over tile
 configs, against cuBLAS; each variant's product is also checked against cuBLAS's.
 
-Usage: python tools/gemm_sweep.py OUT.json [--fp32]
+Usage: python tools/gemm_sweep.py OUT.json [--fp32] [--configs "BM,BN,BK,W,S;..."]
 Prints one line per variant and, last, "best BM,BN,BK,warps,stages" (least total time).
 ``--fp32``: fp32 inputs instead (the kernel's three-TF32-product path against cuBLAS fp32).
 """
@@ -28,9 +28,9 @@ def _ms(fn):
     return do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
-def main(out_path, fp32=False):
+def main(out_path, fp32=False, configs=None):
     dtype = torch.float32 if fp32 else torch.bfloat16
-    configs = FP32_CONFIGS if fp32 else CONFIGS
+    configs = configs or (FP32_CONFIGS if fp32 else CONFIGS)
     shapes = [(2048, 4096, 4096), (4096, 8192, 4096)] if fp32 else SHAPES
     rows, total = [], {c: 0.0 for c in configs}
     for M, N, K in shapes:
@@ -71,4 +71,9 @@ def main(out_path, fp32=False):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], fp32="--fp32" in sys.argv)
+    args = sys.argv[1:]
+    chosen = None
+    if "--configs" in args:
+        spec = args[args.index("--configs") + 1]
+        chosen = [tuple(int(v) for v in c.split(",")) for c in spec.split(";")]
+    main(args[0], fp32="--fp32" in args, configs=chosen)
