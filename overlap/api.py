@@ -19,8 +19,9 @@ Hazards: state (counters, the communication stream) is kept per (group, device, 
 so calls on different streams never share counters; calls on one stream are serialized by that
 stream. Communicators are kept per (group, device, backend). Calls can be captured in CUDA
 graphs (after one eager warm-up call): a captured call counts on counters of its own that the
-graph zeroes at every replay. The Triton interpreter is used for CPU tensors only when ``TRITON_INTERPRET=1`` is set
-before ``overlap`` first launches a kernel (Triton reads it when the kernel is defined).
+graph zeroes at every replay. The Triton interpreter is used for CPU tensors only when
+``TRITON_INTERPRET=1`` is set before ``overlap`` first launches a kernel (Triton reads it when
+the kernel is defined).
 """
 
 from __future__ import annotations

@@ -78,9 +78,9 @@ def _spin(stream: torch.cuda.Stream, counter: torch.Tensor, target: int) -> None
 
 
 def current_raw_stream(device: torch.device) -> int:
-    """Handle of ``device``'s current CUDA stream; ~20x cheaper on the host than
-    ``torch.cuda.current_stream(device).cuda_stream`` (torch's own raw getter, used by its
-    compiler's generated code, where this torch has it)."""
+    """Handle of ``device``'s current CUDA stream, through torch's raw getter (the one its
+    compiler's generated code uses) where this torch has it: it skips the Stream object that
+    ``torch.cuda.current_stream`` builds, which the host profile showed 7 times per call."""
     get = getattr(torch._C, "_cuda_getCurrentRawStream", None)
     index = device.index if device.index is not None else torch.cuda.current_device()
     return get(index) if get is not None else torch.cuda.current_stream(index).cuda_stream
