@@ -76,11 +76,6 @@ def _check(x: torch.Tensor, w: torch.Tensor, collective: str, op: str, backend: 
         raise TypeError(f"w.dtype ({w.dtype}) must equal x.dtype ({x.dtype})")
     if w.device != x.device:
         raise ValueError(f"w is on {w.device} but x is on {x.device}")
-    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
-        raise ValueError(
-            "x or w requires grad: overlap has no backward yet; call it under torch.no_grad() "
-            "or on detached tensors"
-        )
     if x.shape[-1] != w.shape[0]:
         raise ValueError(
             f"K mismatch: x is {tuple(x.shape)} ([..., K]), w is {tuple(w.shape)} ([K, N])"
@@ -245,17 +240,22 @@ def matmul_collective(
 
     Returns:
         The result in the plain torch call's layout: ``[..., N]``, or ``[M / R, N]`` for
-        reduce-scatter.
+        reduce-scatter. Differentiable when ``x`` or ``w`` requires grad (``_Backward``: the
+        backward is not overlapped).
 
     Raises:
         TypeError: wrong dtype or type of ``x``, ``w`` or ``out``.
         ValueError: shape or device mismatch, unknown collective/op/backend, ``M`` not
-            divisible by R for reduce-scatter and all-to-all.
+            divisible by R for reduce-scatter and all-to-all, ``out`` with autograd.
         overlap.RankMismatchError: (validation mode) the ranks' calls differ.
         TimeoutError: (validation mode) a rank did not arrive, or the call's collectives did
             not finish, within ``overlap.configure``'s timeout.
     """
     _check(x, w, collective, op, backend)
+    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+        if out is not None:
+            raise ValueError("out= does not support autograd (x or w requires grad)")
+        return _Backward.apply(x, w, collective, group, op, backend, chunks)
     p = _plan_checked(x, w, collective, group, chunks)
     R, M, N = p.world_size, p.M, p.N
     shape = _result_shape(x, N, collective, R)
@@ -340,6 +340,50 @@ def _overlapped(x2, w, out2, p: Plan, scale, ctx: _Context, comm, trace=None) ->
                 caller.wait_stream(s)
         if guard.validating() and not capturing:  # a capturing stream cannot be queried
             guard.watch(s, comm.abort, p.describe())
+
+
+class _Backward(torch.autograd.Function):
+    """``matmul_collective`` under autograd, with the conventions of tensor parallelism
+    (Megatron's): the loss is a function of the distinct results, so
+
+    - all-reduce: the result is replicated and so is its gradient ``g``; each rank's product
+      gets ``g`` itself (the backward of the all-reduce is the identity);
+    - reduce-scatter: rank r's rows get ``g_r``; each rank's product gets the all-gather of
+      every rank's ``g`` ``[M, N]``;
+    - all-to-all: the inverse exchange, which is again an all-to-all;
+
+    ``op="avg"`` scales it by ``1 / R``. Then ``dx = g_P @ w^T`` and ``dw = x^T @ g_P``. The
+    backward runs plain torch ops (collective, then two matmuls): it is not overlapped.
+    """
+
+    @staticmethod
+    def forward(ctx, x, w, collective, group, op, backend, chunks):  # noqa: D102
+        ctx.save_for_backward(x, w)
+        ctx.collective, ctx.group, ctx.op = collective, group, op
+        return matmul_collective(
+            x, w, collective, group=group, op=op, backend=backend, chunks=chunks
+        )
+
+    @staticmethod
+    def backward(ctx, g):  # noqa: D102
+        x, w = ctx.saved_tensors
+        R = _world(ctx.group)
+        N = w.shape[1]
+        g2 = g.reshape(-1, N).contiguous()
+        if R > 1 and ctx.collective == "reduce_scatter":
+            gp = g2.new_empty(g2.shape[0] * R, N)
+            dist.all_gather_into_tensor(gp, g2, group=ctx.group)
+        elif R > 1 and ctx.collective == "all_to_all":
+            gp = torch.empty_like(g2)
+            dist.all_to_all_single(gp, g2, group=ctx.group)
+        else:
+            gp = g2
+        if ctx.op == "avg" and R > 1:
+            gp = gp / R
+        x2 = x.reshape(-1, x.shape[-1])
+        dx = (gp @ w.t()).reshape(x.shape) if ctx.needs_input_grad[0] else None
+        dw = x2.t() @ gp if ctx.needs_input_grad[1] else None
+        return dx, dw, None, None, None, None, None
 
 
 def _plain(

@@ -153,6 +153,62 @@ def check_case(
     return f"{name}: {why} ({p.describe()})" if why else None
 
 
+def check_grad_case(
+    rank: int,
+    R: int,
+    device: str,
+    collective: str,
+    dtype: torch.dtype,
+    shape: tuple,
+    seed: int,
+    *,
+    op: str = "sum",
+    chunks: int | None = None,
+) -> str | None:
+    """Backward of one ``overlap.matmul_collective`` call on this rank (``x [..., K]`` and
+    ``w = weight.t()``, both requiring grad), against float64 autograd over every rank's
+    inputs: the loss is ``<y, g>`` with one ``g`` for the replicated all-reduce result, and the
+    sum of every rank's ``<y_r, g_r>`` otherwise (``overlap.api._Backward``)."""
+    *lead, K, N = shape
+    M = math.prod(lead)
+    g = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(*lead, K, generator=g).to(dtype) for _ in range(R)]
+    ws = [torch.randn(N, K, generator=g).to(dtype) for _ in range(R)]
+    rows = M if collective != "reduce_scatter" else M // R
+    gs = [torch.randn(rows, N, generator=g).to(dtype) for _ in range(R)]
+    X = [t.double().reshape(M, K).requires_grad_() for t in xs]
+    W = [t.double().requires_grad_() for t in ws]
+    P = [X[s] @ W[s].t() for s in range(R)]
+    scale = 1.0 / R if op == "avg" else 1.0
+    Mr = M // R
+    if collective == "all_reduce":
+        loss = (sum(P) * scale * gs[0].double()).sum()
+    elif collective == "reduce_scatter":
+        loss = sum((sum(P)[r * Mr : (r + 1) * Mr] * scale * gs[r].double()).sum() for r in range(R))
+    else:
+        loss = sum(
+            (torch.cat([p[r * Mr : (r + 1) * Mr] for p in P]) * gs[r].double()).sum()
+            for r in range(R)
+        )
+    loss.backward()
+    x = xs[rank].to(device).requires_grad_()
+    weight = ws[rank].to(device).requires_grad_()
+    name = f"backward {collective} {dtype} {shape} op={op} rank={rank}"
+    try:
+        y = overlap.matmul_collective(x, weight.t(), collective, op=op, chunks=chunks)
+        mine = gs[0] if collective == "all_reduce" else gs[rank]
+        (y.reshape(-1, N) * mine.to(device)).sum().backward()
+    except Exception as e:
+        return f"{name}: {type(e).__name__}: {e}"
+    for what, got, ref in (("dx", x.grad, X[rank].grad), ("dw", weight.grad, W[rank].grad)):
+        if got is None:
+            return f"{name}: {what} is None"
+        why = mismatch(got.reshape(ref.shape).cpu(), ref, TOL[dtype])
+        if why:
+            return f"{name}: {what}: {why}"
+    return None
+
+
 def fault_scenarios(rank: int, R: int, scenario: str, device: str) -> list[str]:
     """One fault on 2 ranks; the rank that sees it must raise a clear error, quickly.
 

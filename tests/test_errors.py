@@ -47,11 +47,6 @@ def test_bad_tensors():
         overlap.matmul_allreduce(x.int(), w.int())
     with pytest.raises(ValueError, match="x must have"):
         overlap.matmul_allreduce(torch.tensor(1.0), w)
-    with pytest.raises(ValueError, match="requires grad"):
-        overlap.matmul_allreduce(x, w.requires_grad_())
-    with torch.no_grad():
-        overlap.matmul_allreduce(x, w)  # fine without autograd
-    w.requires_grad_(False)
     with pytest.raises(ValueError, match="on meta"):
         overlap.matmul_allreduce(x, w.to("meta"))
 

@@ -11,7 +11,15 @@ import random
 
 import pytest
 import torch
-from _dist import TOL, check_case, count_collectives, fault_scenarios, mismatch, spawn
+from _dist import (
+    TOL,
+    check_case,
+    check_grad_case,
+    count_collectives,
+    fault_scenarios,
+    mismatch,
+    spawn,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -270,3 +278,24 @@ def test_cuda_graph_capture_and_replay(backend, monkeypatch):
         pytest.importorskip("cupy")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     spawn(_graphs, 2, random.randrange(1 << 30), backend, backend="nccl")
+
+
+def _grads(rank, R, seed):
+    failures = []
+    for i, coll in enumerate(COLLECTIVES):
+        for j, (dtype, shape, chunks) in enumerate(
+            ((torch.bfloat16, (1024, 512, 1024), 4), (torch.float32, (512, 256, 512), 2),
+             (torch.bfloat16, (128, 1024, 2048), None))
+        ):  # fmt: skip
+            msg = check_grad_case(
+                rank, R, f"cuda:{rank}", coll, dtype, shape, seed + 10 * i + j, chunks=chunks
+            )
+            failures += [msg] if msg else []
+    return failures
+
+
+def test_backward_two_gpus(monkeypatch):
+    """Autograd through the overlapped forward (and the planner's plain path for M = 128)."""
+    _need_gpus(2)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    spawn(_grads, 2, random.randrange(1 << 30), backend="nccl")

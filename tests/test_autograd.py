@@ -1,0 +1,51 @@
+"""Backward of ``matmul_collective`` (tensor-parallel conventions, ``overlap.api._Backward``) on
+2 gloo ranks with the overlapped forward in the interpreter, against float64 autograd over every
+rank's inputs; and the single-process and misuse cases."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from _dist import check_grad_case, spawn
+
+import overlap
+
+
+def _grads(rank, R, seed):
+    failures = []
+    i = 0
+    for coll in ("all_reduce", "reduce_scatter", "all_to_all"):
+        for shape, chunks in (((64, 40, 48), 2), ((2, 48, 24, 40), 3)):
+            for op in ("sum", "avg") if coll != "all_to_all" else ("sum",):
+                i += 1
+                msg = check_grad_case(
+                    rank, R, "cpu", coll, torch.float32, shape, seed + i, op=op, chunks=chunks
+                )
+                failures += [msg] if msg else []
+    return failures
+
+
+def test_backward_two_ranks():
+    spawn(_grads, 2, random.randrange(1 << 30))
+
+
+def test_backward_single_process_matches_torch():
+    x = torch.randn(3, 5, 8, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(6, 8, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(3, 5, 6, dtype=torch.float64)
+    x32, w32 = x.detach().float().requires_grad_(), weight.detach().float().requires_grad_()
+    (overlap.matmul_allreduce(x32, w32.t()) * g.float()).sum().backward()
+    ((x @ weight.t()) * g).sum().backward()
+    assert torch.allclose(x32.grad.double(), x.grad, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(w32.grad.double(), weight.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_out_with_autograd_is_refused():
+    x = torch.randn(4, 8, requires_grad=True)
+    w = torch.randn(8, 6)
+    with pytest.raises(ValueError, match="out= does not support autograd"):
+        overlap.matmul_allreduce(x, w, out=torch.empty(4, 6))
+    with torch.no_grad():
+        overlap.matmul_allreduce(x, w, out=torch.empty(4, 6))  # fine without autograd
