@@ -108,11 +108,9 @@ def check_case(
     ``(lead..., K, N)``; every rank draws every rank's inputs from ``seed`` so the float64
     reference needs no communication. ``specials`` puts NaN and Inf into every rank's inputs.
     """
+    g, xs, ws = _draw(R, dtype, shape, seed)
     *lead, K, N = shape
     M = math.prod(lead)
-    g = torch.Generator().manual_seed(seed)
-    xs = [torch.randn(*lead, K, generator=g).to(dtype) for _ in range(R)]
-    ws = [torch.randn(N, K, generator=g).to(dtype) for _ in range(R)]  # nn.Linear weights
     if specials:
         for r in range(R):
             poison_with_specials(xs[r].view(M, K), ws[r])
@@ -153,27 +151,30 @@ def check_case(
     return f"{name}: {why} ({p.describe()})" if why else None
 
 
+def _draw(R: int, dtype: torch.dtype, shape: tuple, seed: int):
+    """Every rank's ``x [lead..., K]`` and ``nn.Linear`` weight ``[N, K]`` from ``seed`` (the
+    same on every rank, so a float64 reference needs no communication), and the generator for
+    anything drawn after them."""
+    *lead, K, N = shape
+    g = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(*lead, K, generator=g).to(dtype) for _ in range(R)]
+    ws = [torch.randn(N, K, generator=g).to(dtype) for _ in range(R)]
+    return g, xs, ws
+
+
 def check_grad_case(
-    rank: int,
-    R: int,
-    device: str,
-    collective: str,
-    dtype: torch.dtype,
-    shape: tuple,
-    seed: int,
-    *,
-    op: str = "sum",
-    chunks: int | None = None,
+    rank: int, R: int, device: str, case: tuple, seed: int, *, chunks: int | None = None
 ) -> str | None:
     """Backward of one ``overlap.matmul_collective`` call on this rank (``x [..., K]`` and
     ``w = weight.t()``, both requiring grad), against float64 autograd over every rank's
     inputs: the loss is ``<y, g>`` with one ``g`` for the replicated all-reduce result, and the
-    sum of every rank's ``<y_r, g_r>`` otherwise (``overlap.api._Backward``)."""
+    sum of every rank's ``<y_r, g_r>`` otherwise (``overlap.api._Backward``).
+
+    ``case`` is ``(collective, dtype, shape, op)``, ``shape`` as in ``check_case``."""
+    collective, dtype, shape, op = case
+    g, xs, ws = _draw(R, dtype, shape, seed)
     *lead, K, N = shape
     M = math.prod(lead)
-    g = torch.Generator().manual_seed(seed)
-    xs = [torch.randn(*lead, K, generator=g).to(dtype) for _ in range(R)]
-    ws = [torch.randn(N, K, generator=g).to(dtype) for _ in range(R)]
     rows = M if collective != "reduce_scatter" else M // R
     gs = [torch.randn(rows, N, generator=g).to(dtype) for _ in range(R)]
     X = [t.double().reshape(M, K).requires_grad_() for t in xs]

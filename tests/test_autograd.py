@@ -20,9 +20,8 @@ def _grads(rank, R, seed):
         for shape, chunks in (((64, 40, 48), 2), ((2, 48, 24, 40), 3)):
             for op in ("sum", "avg") if coll != "all_to_all" else ("sum",):
                 i += 1
-                msg = check_grad_case(
-                    rank, R, "cpu", coll, torch.float32, shape, seed + i, op=op, chunks=chunks
-                )
+                case = (coll, torch.float32, shape, op)
+                msg = check_grad_case(rank, R, "cpu", case, seed + i, chunks=chunks)
                 failures += [msg] if msg else []
     return failures
 

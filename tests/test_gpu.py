@@ -287,9 +287,8 @@ def _grads(rank, R, seed):
             ((torch.bfloat16, (1024, 512, 1024), 4), (torch.float32, (512, 256, 512), 2),
              (torch.bfloat16, (128, 1024, 2048), None))
         ):  # fmt: skip
-            msg = check_grad_case(
-                rank, R, f"cuda:{rank}", coll, dtype, shape, seed + 10 * i + j, chunks=chunks
-            )
+            case = (coll, dtype, shape, "sum")
+            msg = check_grad_case(rank, R, f"cuda:{rank}", case, seed + 10 * i + j, chunks=chunks)
             failures += [msg] if msg else []
     return failures
 
