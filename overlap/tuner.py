@@ -155,10 +155,13 @@ def tune(
     Raises:
         ValueError: no candidates, a candidate that is neither ``"plain"`` nor in [2, 64],
             ``iters`` < 1, or arguments ``matmul_collective`` refuses.
+        RuntimeError: called while the current CUDA stream is being captured.
     """
-    from .api import _check, matmul_collective  # api imports this module
+    from .api import _capturing, _check, matmul_collective  # api imports this module
 
     _check(x, w, collective, "sum", "torch")
+    if _capturing(x):
+        raise RuntimeError("overlap.tune times calls: run it before CUDA-graph capture")
     if not candidates or iters < 1:
         raise ValueError("tune needs at least one candidate and iters >= 1")
     for c in candidates:

@@ -92,3 +92,11 @@ def test_tune_rejects_bad_candidates():
         overlap.tune(x, w, candidates=(1,))
     with pytest.raises(ValueError, match="iters"):
         overlap.tune(x, w, candidates=(2,), iters=0)
+
+
+def test_tune_refuses_graph_capture(monkeypatch):
+    import overlap.api as api
+
+    monkeypatch.setattr(api, "_capturing", lambda t: True)
+    with pytest.raises(RuntimeError, match="CUDA-graph capture"):
+        overlap.tune(torch.randn(8, 4), torch.randn(4, 8), candidates=(2,))
