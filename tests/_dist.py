@@ -31,6 +31,11 @@ def _entry(rank, world_size, init_file, backend, fn, args, errors_dir):
             world_size=world_size,
             timeout=timedelta(seconds=120),
         )
+        if backend == "gloo":
+            # gloo connects the ranks pairwise inside init; a rank that is done with its side
+            # and exits at once (a case with no collective) can close a pair its peer is still
+            # setting up ("Connection closed by peer", seen once in CI). Meet first.
+            dist.barrier()
         failures = fn(rank, world_size, *args)
     except Exception:
         failures = [traceback.format_exc()]
