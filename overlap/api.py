@@ -401,14 +401,21 @@ def _plain(
         y = x2 @ w  # reduce-scatter and all-to-all cannot run in place
     if scale is not None:
         y.mul_(scale)
-    if p.world_size == 1:
-        return
-    if p.collective == "all_reduce":
-        dist.all_reduce(out2, group=group)
-    elif p.collective == "reduce_scatter":
-        dist.reduce_scatter_tensor(out2, y, group=group)
+    if p.world_size > 1:
+        _collective(p.collective, y, out2, group)
+
+
+def _collective(
+    collective: str, y: torch.Tensor, out: torch.Tensor, group: dist.ProcessGroup | None
+) -> None:
+    """The plain torch collective of a product ``y [M, N]``: all-reduce in place on ``y``,
+    reduce-scatter (``out [M / R, N]``) and all-to-all (``out [M, N]``) into ``out``."""
+    if collective == "all_reduce":
+        dist.all_reduce(y, group=group)
+    elif collective == "reduce_scatter":
+        dist.reduce_scatter_tensor(out, y, group=group)
     else:
-        dist.all_to_all_single(out2, y, group=group)
+        dist.all_to_all_single(out, y, group=group)
 
 
 def matmul_allreduce(

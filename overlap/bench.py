@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 import overlap
+from overlap.api import _collective
 from overlap.tuner import time_queued
 
 SHAPES = [
@@ -77,15 +78,6 @@ def _peak_mb(fn) -> float:
     fn()
     torch.cuda.synchronize()
     return (torch.cuda.max_memory_allocated() - base) / 2**20
-
-
-def _collective(coll: str, y: torch.Tensor, out: torch.Tensor, group) -> None:
-    if coll == "all_reduce":
-        dist.all_reduce(y, group=group)
-    elif coll == "reduce_scatter":
-        dist.reduce_scatter_tensor(out, y, group=group)
-    else:
-        dist.all_to_all_single(out, y, group=group)
 
 
 def _async_tp(x, w, group):

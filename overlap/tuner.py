@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from .guard import group_name
+from .plan import MAX_CHUNKS
 
 _TRANSPORT_VARS = ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "NCCL_P2P_LEVEL", "NCCL_NET")
 DEFAULT_CANDIDATES = ("plain", 2, 4, 8)
@@ -71,10 +72,12 @@ def lookup(group, M: int, N: int, K: int, dtype: torch.dtype, collective: str):
     return _registry.get(registry_key(group, M, N, K, dtype, collective))
 
 
-def _cache_key(x: torch.Tensor, M: int, N: int, K: int, R: int, collective: str) -> str:
+def _cache_key(
+    x: torch.Tensor, M: int, N: int, K: int, R: int, collective: str, count_host: bool
+) -> str:
     gpu = torch.cuda.get_device_name(x.device) if x.is_cuda else "cpu"
     transport = ",".join(f"{v}={os.environ.get(v, '')}" for v in _TRANSPORT_VARS)
-    return f"{gpu}|R={R}|{collective}|{x.dtype}|{M}x{N}x{K}|{transport}"
+    return f"{gpu}|R={R}|{collective}|{x.dtype}|{M}x{N}x{K}|{transport}|host={count_host}"
 
 
 def _read_cache(path: str) -> dict:
@@ -165,11 +168,13 @@ def tune(
     if not candidates or iters < 1:
         raise ValueError("tune needs at least one candidate and iters >= 1")
     for c in candidates:
-        if c != "plain" and not (isinstance(c, int) and 2 <= c <= 64):
-            raise ValueError(f"candidates are 'plain' or chunk counts in [2, 64], got {c!r}")
+        if c != "plain" and not (isinstance(c, int) and 2 <= c <= MAX_CHUNKS):
+            raise ValueError(
+                f"candidates are 'plain' or chunk counts in [2, {MAX_CHUNKS}], got {c!r}"
+            )
     M, K, N = math.prod(x.shape[:-1]), x.shape[-1], w.shape[1]
     R = dist.get_world_size(group)
-    key = _cache_key(x, M, N, K, R, collective) + f"|host={count_host}"
+    key = _cache_key(x, M, N, K, R, collective, count_host)
     rkey = registry_key(group, M, N, K, x.dtype, collective)
     path = cache_path()
     found = [None]

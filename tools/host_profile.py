@@ -23,6 +23,7 @@ def main() -> None:
     import torch.distributed as dist
 
     import overlap
+    from overlap.api import _collective
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="4096x8192x4096")
@@ -44,13 +45,7 @@ def main() -> None:
                       device=dev)  # fmt: skip
 
     def plain():  # what users write today
-        y = x @ w
-        if args.collective == "all_reduce":
-            dist.all_reduce(y)
-        elif args.collective == "reduce_scatter":
-            dist.reduce_scatter_tensor(out, y)
-        else:
-            dist.all_to_all_single(out, y)
+        _collective(args.collective, x @ w, out, None)
 
     def ovl():
         overlap.matmul_collective(x, w, args.collective, out=out, backend=args.backend)

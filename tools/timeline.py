@@ -21,7 +21,7 @@ def measure(shape: str, collective: str, chunks: int | None, out: str) -> None:
     import triton.language as tl
 
     import overlap
-    from overlap.api import _context, _overlapped
+    from overlap.api import _collective, _context, _overlapped
 
     @triton.jit
     def _stamp(ptr, i):
@@ -63,18 +63,13 @@ def measure(shape: str, collective: str, chunks: int | None, out: str) -> None:
     tiles = trace.tiles.view(-1, 4).cpu()
     t0 = int(tiles[:, 0].min())
 
-    def _coll(buf):
-        if collective == "all_reduce":
-            dist.all_reduce(buf)
-        elif collective == "reduce_scatter":
-            dist.reduce_scatter_tensor(out2, buf)
-        else:
-            dist.all_to_all_single(torch.empty_like(buf), buf)
-
     # The sequential reference, timed with events: GEMM alone, then the collective alone.
     y = x @ w
     seq = {}
-    for name, fn in (("gemm", lambda: torch.matmul(x, w, out=y)), ("comm", lambda: _coll(y))):
+    for name, fn in (
+        ("gemm", lambda: torch.matmul(x, w, out=y)),
+        ("comm", lambda: _collective(collective, y, out2, None)),
+    ):
         ms = []
         for _ in range(10):
             dist.barrier()

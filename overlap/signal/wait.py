@@ -77,13 +77,19 @@ def _spin(stream: torch.cuda.Stream, counter: torch.Tensor, target: int) -> None
         spin_until(counter, target)
 
 
+# torch's raw getter of the current stream (the one its compiler's generated code uses), where
+# this torch build has it (CUDA builds)
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
 def current_raw_stream(device: torch.device) -> int:
-    """Handle of ``device``'s current CUDA stream, through torch's raw getter (the one its
-    compiler's generated code uses) where this torch has it: it skips the Stream object that
-    ``torch.cuda.current_stream`` builds, which the host profile showed 7 times per call."""
-    get = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    """Handle of ``device``'s current CUDA stream, through torch's raw getter where there is
+    one: it skips the Stream object that ``torch.cuda.current_stream`` builds, which the host
+    profile showed 7 times per call."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return get(index) if get is not None else torch.cuda.current_stream(index).cuda_stream
+    if _raw_stream is None:
+        return torch.cuda.current_stream(index).cuda_stream
+    return _raw_stream(index)
 
 
 def wait_counter(counter: torch.Tensor, target: int, stream: torch.cuda.Stream | None) -> None:
