@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from . import guard, tuner
-from .comm import BACKENDS, make_comm, run_chunks
+from .comm import BACKENDS, PeerTransport, make_comm, peer_capable, run_chunks
 from .plan import COLLECTIVES, OPS, Plan, make_plan
 from .signal import ChunkCounters, current_raw_stream, wait_counter
 
@@ -143,6 +143,7 @@ class _Context:
     comm_stream: torch.cuda.Stream | None
     rendezvous: guard.Rendezvous | None = None  # validation mode, made on first use
     _counters: ChunkCounters | None = None  # eager calls only, made on first use
+    _peer: PeerTransport | None = None  # backend "ce": its buffer and epoch follow this stream
 
     @property
     def counters(self) -> ChunkCounters:
@@ -158,7 +159,12 @@ class _Context:
         """The group's communicator through ``backend``, one per (group, device, backend) for
         every caller stream: a CUDA graph captures on a stream of its own, and a communicator
         cannot be made during capture. NCCL runs one communicator's collectives in issue
-        order, whatever stream issued them."""
+        order, whatever stream issued them. The copy-engine transport ("ce") is this context's
+        own: its receive buffer and epochs belong to one stream of calls."""
+        if backend == "ce":
+            if self._peer is None:
+                self._peer = PeerTransport(self.group, self.device)
+            return self._peer
         key = (self.group, str(self.device), backend)
         if key not in _comms:
             _comms[key] = make_comm(backend, self.group)
@@ -173,6 +179,32 @@ class _Context:
 
 _contexts: dict[tuple, _Context] = {}
 _comms: dict[tuple, object] = {}
+_peer_ok: dict[tuple, bool] = {}  # (group, device): peer_capable's answer, asked once
+
+
+def _resolve_backend(backend: str, p: Plan, x: torch.Tensor, group) -> str:
+    """The backend an overlapped call uses. "auto" and "ce" take the copy-engine transport
+    where it runs: CUDA, every rank's GPU mapped by every other (asked once per group, a
+    collective), row-band chunks, no CUDA-graph capture (its epochs are host values), and for
+    all-reduce two ranks (it pushes the whole product to every peer). Elsewhere they take
+    NCCL through torch; "ce" on a group without P2P raises."""
+    if backend not in ("auto", "ce"):
+        return backend
+    if not x.is_cuda or _capturing(x):
+        return "torch"
+    key = (group, str(x.device))
+    if key not in _peer_ok:
+        _peer_ok[key] = peer_capable(group, x.device)
+    if not _peer_ok[key]:
+        if backend == "ce":
+            raise ValueError(
+                "backend='ce' needs every rank's GPU to map every other's memory (one host, "
+                "P2P access, cuda-python, NCCL_P2P_DISABLE unset); use 'auto' or 'torch'"
+            )
+        return "torch"
+    if p.n_col_bands > 1 or (p.collective == "all_reduce" and p.world_size > 2):
+        return "torch"
+    return "ce"
 
 
 def _context(group: dist.ProcessGroup | None, device: torch.device) -> _Context:
@@ -221,7 +253,7 @@ def matmul_collective(
     group: dist.ProcessGroup | None = None,
     op: str = "sum",
     out: torch.Tensor | None = None,
-    backend: str = "torch",
+    backend: str = "auto",
     chunks: int | None = None,
 ) -> torch.Tensor:
     """``x @ w`` followed by ``collective`` over ``group``, overlapped chunk by chunk.
@@ -234,8 +266,11 @@ def matmul_collective(
             ``torch.distributed`` is not initialized).
         op: "sum" or "avg" (reductions only; "avg" divides the product by R before the sum).
         out: optional contiguous result tensor of the result's shape, dtype and device.
-        backend: "torch" (the group's own NCCL/gloo) or "cupy" (a direct NCCL communicator
-            created once from the group).
+        backend: "auto" (default: "ce" where it runs, else "torch"), "torch" (the group's own
+            NCCL/gloo, one collective per chunk), "cupy" (a direct NCCL communicator created
+            once from the group) or "ce" (copy-engine pushes between GPUs that map each
+            other's memory, ``overlap/comm/peer.py``; NCCL where a plan or a CUDA-graph
+            capture does not allow it, see ``_resolve_backend``).
         chunks: about how many chunks to use (default: the planner's choice).
 
     Returns:
@@ -277,7 +312,7 @@ def matmul_collective(
             guard.watch(torch.cuda.current_stream(x.device), ctx.comm("torch").abort, p.describe())
         return out
 
-    _overlapped(x2, w, out2, p, scale, ctx, ctx.comm(backend))
+    _overlapped(x2, w, out2, p, scale, ctx, ctx.comm(_resolve_backend(backend, p, x, group)))
     return out
 
 
@@ -294,9 +329,12 @@ def _overlapped(x2, w, out2, p: Plan, scale, ctx: _Context, comm, trace=None) ->
     M, N = p.M, p.N
     dtype, device = x2.dtype, x2.device
     in_place = p.n_col_bands == 1
-    if p.collective == "all_reduce" and in_place:
+    peer = comm if isinstance(comm, PeerTransport) else None
+    # all-reduce through copy engines: the GEMM writes this rank's receive slot
+    p_flat = peer.begin(p, dtype) if peer is not None else None
+    if p_flat is None and p.collective == "all_reduce" and in_place:
         p_flat = out2.view(-1)  # row bands of the standard layout are already contiguous
-    else:
+    elif p_flat is None:
         p_flat = torch.empty(M * N, dtype=dtype, device=device)
     recv_flat = None
     if p.collective != "all_reduce" and not in_place:
@@ -329,7 +367,10 @@ def _overlapped(x2, w, out2, p: Plan, scale, ctx: _Context, comm, trace=None) ->
             ctx.counters.commit(targets)
         try:
             with torch.cuda.stream(s):
-                run_chunks(p, comm, p_flat, out2, recv_flat, wait)
+                if peer is not None:
+                    peer.run(p, p_flat, wait, s.cuda_stream)
+                else:
+                    run_chunks(p, comm, p_flat, out2, recv_flat, wait)
                 if trace is not None:
                     trace.stamp(2 * p.n_chunks - 1)
         finally:
@@ -338,6 +379,8 @@ def _overlapped(x2, w, out2, p: Plan, scale, ctx: _Context, comm, trace=None) ->
                 # are free to reuse once this call's work on `s` is done (also when a chunk's
                 # collective raised: the chunks issued before it still use them).
                 caller.wait_stream(s)
+        if peer is not None:
+            peer.finish(p, out2)  # the reduction, on the caller stream
         if guard.validating() and not capturing:  # a capturing stream cannot be queried
             guard.watch(s, comm.abort, p.describe())
 
@@ -426,7 +469,7 @@ def matmul_allreduce(
     collective: str = "all_reduce",
     op: str = "sum",
     out: torch.Tensor | None = None,
-    backend: str = "torch",
+    backend: str = "auto",
 ) -> torch.Tensor:
     """``dist.all_reduce(x @ w)`` overlapped: ``x [..., K]``, ``w [K, N]`` -> ``[..., N]``.
 
@@ -443,7 +486,7 @@ def matmul_reduce_scatter(
     group: dist.ProcessGroup | None = None,
     op: str = "sum",
     out: torch.Tensor | None = None,
-    backend: str = "torch",
+    backend: str = "auto",
 ) -> torch.Tensor:
     """``reduce_scatter_tensor`` of ``x @ w`` overlapped: ``x [..., K]``, ``w [K, N]`` ->
     ``[M / R, N]``, rank r holding rows ``[r * M / R, (r + 1) * M / R)`` of the sum."""
@@ -456,7 +499,7 @@ def matmul_all_to_all(
     *,
     group: dist.ProcessGroup | None = None,
     out: torch.Tensor | None = None,
-    backend: str = "torch",
+    backend: str = "auto",
 ) -> torch.Tensor:
     """``all_to_all_single`` of ``x @ w`` overlapped: ``x [..., K]``, ``w [K, N]`` ->
     ``[..., N]``; row block ``j`` (``M / R`` rows) of the product goes to rank ``j``, and block

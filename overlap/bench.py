@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 import overlap
-from overlap.api import _collective
+from overlap.api import _collective, _resolve_backend
 from overlap.tuner import time_queued
 
 SHAPES = [
@@ -146,6 +146,7 @@ def bench_one(
         "shape": shape,
         "collective": coll,
         "backend": backend,
+        "transport": _resolve_backend(backend, p, x, ovl_group) if p.path == "overlap" else None,
         "plan": p.describe(),
         "chunks": p.n_chunks,
         "tuned": tuned and tuned.choice,
@@ -197,7 +198,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default=",".join(SHAPES), help="MxNxK,MxNxK,...")
     ap.add_argument("--collectives", default="all_reduce,reduce_scatter,all_to_all")
-    ap.add_argument("--backend", default="torch", choices=["torch", "cupy"])
+    ap.add_argument("--backend", default="auto", choices=list(overlap.comm.BACKENDS))
     ap.add_argument(
         "--chunks",
         default="",

@@ -225,6 +225,8 @@ def fault_scenarios(rank: int, R: int, scenario: str, device: str) -> list[str]:
     - ``killed_mid_call``: rank 1 exits inside its second chunk's collective. Rank 0 raises:
       gloo at once (the connection closes; validation off), NCCL through validation mode's
       watch (5 s timeout, then the communicator is aborted).
+    - ``killed_mid_call_ce``: the same through the copy-engine transport (GPU only): rank 1
+      exits before pushing its second chunk; rank 0's watch releases its waits and raises.
     """
     import time
 
@@ -273,10 +275,11 @@ def fault_scenarios(rank: int, R: int, scenario: str, device: str) -> list[str]:
         else:
             store.wait(["test/done"], timedelta(seconds=60))
         overlap.configure(validate=False)
-    elif scenario == "killed_mid_call":
+    elif scenario in ("killed_mid_call", "killed_mid_call_ce"):
         validate = device != "cpu"
+        backend = "ce" if scenario.endswith("_ce") else "torch"
         overlap.configure(validate=validate, timeout=5)
-        if rank == 1:
+        if rank == 1 and backend == "torch":
             calls = [0]
             orig = dist.all_reduce
 
@@ -287,11 +290,25 @@ def fault_scenarios(rank: int, R: int, scenario: str, device: str) -> list[str]:
                 return orig(*a, **k)
 
             dist.all_reduce = dying
+        elif rank == 1:  # the copy-engine transport: die before pushing the second chunk
+            from overlap.comm import PeerTransport
+
+            orig_run = PeerTransport.run
+
+            def dying_run(self, p, p_flat, wait, stream):
+                def wait_or_die(c):
+                    if c == 1:
+                        os._exit(0)
+                    wait(c)
+
+                return orig_run(self, p, p_flat, wait_or_die, stream)
+
+            PeerTransport.run = dying_run
         t0 = time.monotonic()
         if overlap.plan(x, w, chunks=4).n_chunks < 3:
             failures.append("the plan has too few chunks to die in the middle")
         try:
-            overlap.matmul_collective(x, w, chunks=4)
+            overlap.matmul_collective(x, w, chunks=4, backend=backend)
             failures.append("no error although rank 1 died mid-call")
         except (RuntimeError, TimeoutError) as e:
             took = time.monotonic() - t0

@@ -95,7 +95,7 @@ def _need_gpus(n):
 
 
 @pytest.mark.parametrize("p2p", ["nvlink", "no_p2p"])
-@pytest.mark.parametrize("backend", ["torch", "cupy"])
+@pytest.mark.parametrize("backend", ["torch", "cupy", "ce"])
 def test_suite_two_gpus(p2p, backend, monkeypatch):
     _need_gpus(2)
     if backend == "cupy":
@@ -103,7 +103,62 @@ def test_suite_two_gpus(p2p, backend, monkeypatch):
     if p2p == "no_p2p":
         monkeypatch.setenv("NCCL_P2P_DISABLE", "1")  # NCCL through host memory, like PCIe cards
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    spawn(_suite, 2, random.randrange(1 << 30), backend, 4, backend="nccl")
+    if backend == "ce" and p2p == "no_p2p":
+        spawn(_ce_refused, 2, backend="nccl")  # "ce" needs P2P; "auto" takes NCCL
+    else:
+        spawn(_suite, 2, random.randrange(1 << 30), backend, 4, backend="nccl")
+
+
+def _ce_refused(rank, R):
+    import overlap
+    from overlap.api import _resolve_backend
+
+    dev = torch.device(f"cuda:{rank}")
+    x = torch.randn(2048, 1024, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(1024, 2048, device=dev, dtype=torch.bfloat16)
+    p = overlap.plan(x, w, "reduce_scatter", chunks=4)
+    failures = []
+    if _resolve_backend("auto", p, x, None) != "torch":
+        failures.append("auto did not fall back to NCCL without P2P")
+    try:
+        overlap.matmul_collective(x, w, "reduce_scatter", chunks=4, backend="ce")
+        failures.append("backend='ce' without P2P raised nothing")
+    except ValueError as e:
+        failures += [] if "P2P" in str(e) else [f"unclear error: {e}"]
+    return failures
+
+
+def _ce_specifics(rank, R, seed):
+    """The copy-engine transport: which plans take it, and its receive buffer growing and
+    shrinking back between calls of one stream (epochs continue across buffers)."""
+    import overlap
+    from overlap.api import _resolve_backend
+
+    dev = torch.device(f"cuda:{rank}")
+    failures = []
+    for coll in COLLECTIVES:
+        for (M, K, N), chunks, want in (
+            ((2048, 1024, 2048), 4, "ce"),
+            ((128, 1024, 2048), 2, "torch"),  # column bands
+        ):
+            x = torch.empty(M, K, device=dev, dtype=torch.bfloat16)
+            w = torch.empty(K, N, device=dev, dtype=torch.bfloat16)
+            got = _resolve_backend("auto", overlap.plan(x, w, coll, chunks=chunks), x, None)
+            if got != want:
+                failures.append(f"{coll} {M}x{N}x{K} chunks={chunks}: auto took {got}, not {want}")
+    shapes = [(512, 256, 512), (4096, 1024, 4096), (1000, 1000, 3000), (512, 256, 512)]
+    for i, shape in enumerate(shapes * 2):
+        coll = COLLECTIVES[i % 3]
+        dtype = (torch.bfloat16, torch.float16, torch.float32)[i % 3]
+        msg = check_case(rank, R, str(dev), coll, dtype, shape, seed + i, backend="ce", chunks=4)
+        failures += [msg] if msg else []
+    return failures
+
+
+def test_copy_engine_transport(monkeypatch):
+    _need_gpus(2)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    spawn(_ce_specifics, 2, random.randrange(1 << 30), backend="nccl")
 
 
 @pytest.mark.parametrize("wait", ["spin", "stream_wait"])
@@ -194,7 +249,9 @@ def test_streams_wrap_and_specials(monkeypatch):
     spawn(_streams_wrap_specials, 2, random.randrange(1 << 30), backend="nccl")
 
 
-@pytest.mark.parametrize("scenario", ["disagree", "never_arrives", "killed_mid_call"])
+@pytest.mark.parametrize(
+    "scenario", ["disagree", "never_arrives", "killed_mid_call", "killed_mid_call_ce"]
+)
 def test_faults_raise_instead_of_hanging(scenario, monkeypatch):
     """The gloo scenarios of test_reliability.py on NCCL (validation mode's watch aborts the
     communicator when a peer died mid-call)."""
@@ -271,8 +328,8 @@ def _graphs(rank, R, seed, backend):
     return failures
 
 
-@pytest.mark.parametrize("backend", ["torch", "cupy"])
-def test_cuda_graph_capture_and_replay(backend, monkeypatch):
+@pytest.mark.parametrize("backend", ["torch", "cupy", "auto"])  # auto: NCCL when captured,
+def test_cuda_graph_capture_and_replay(backend, monkeypatch):  # copy engines in eager calls
     _need_gpus(2)
     if backend == "cupy":
         pytest.importorskip("cupy")

@@ -9,6 +9,8 @@
 #   nccl_env: NCCL protocol / channel settings on two large shapes (contention probe)
 #   host: host time per call (tools/host_profile.py); verify_host: example, suite, host
 #   benches: main bench (NVLink, no P2P) and the tuned bench on the large shapes
+#   ce: the copy-engine transport: its tests, the large shapes through it and through NCCL,
+#       and two timelines
 set -u
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -116,4 +118,12 @@ if [ "$what" = sweep ]; then  # chunk counts x backends, to choose the defaults
     run_bench sweep_nvlink_$b --backend $b --collectives all_reduce,reduce_scatter --chunks 2,4,8 --iters 10 --shapes $big
     NCCL_P2P_DISABLE=1 run_bench sweep_no_p2p_$b --backend $b --collectives all_reduce,reduce_scatter --chunks 2,4,8 --iters 10 --shapes 4096x8192x4096,8192x8192x14336
   done
+fi
+if [ "$what" = ce ]; then
+  run_bench ce --shapes $big --iters 20 --backend ce
+  run_bench torch --shapes $big --iters 20 --backend torch --collectives all_reduce,reduce_scatter
+  for c in all_reduce reduce_scatter; do
+    timeout 60 torchrun --nproc-per-node=2 tools/timeline.py --collective $c --backend ce --out "$OUT/timeline_ce_$c.json" 2>&1 | grep -v "^W1\|OMP_NUM\|^\*\*\*" | tail -3
+  done
+  timeout 300 python3 -m pytest -m gpu tests/test_gpu.py -q -p no:cacheprovider --durations=0 -k "ce or auto or copy" 2>&1 | tail -30 | tee "$OUT/gpu_suite_ce.log"
 fi

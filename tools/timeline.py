@@ -14,14 +14,14 @@ import json
 import os
 
 
-def measure(shape: str, collective: str, chunks: int | None, out: str) -> None:
+def measure(shape: str, collective: str, chunks: int | None, out: str, backend: str) -> None:
     import torch
     import torch.distributed as dist
     import triton
     import triton.language as tl
 
     import overlap
-    from overlap.api import _collective, _context, _overlapped
+    from overlap.api import _collective, _context, _overlapped, _resolve_backend
 
     @triton.jit
     def _stamp(ptr, i):
@@ -48,7 +48,7 @@ def measure(shape: str, collective: str, chunks: int | None, out: str) -> None:
     rows = M // R if collective == "reduce_scatter" else M
     out2 = torch.empty(rows, N, device=dev, dtype=torch.bfloat16)
     ctx = _context(None, dev)
-    comm = ctx.comm("torch")
+    comm = ctx.comm(_resolve_backend(backend, p, x, None))
     n_tiles = p.num_tile_rows * triton.cdiv(N, p.tiles.block_n)
     runs = []
     for _i in range(6):  # the first calls compile and warm up; keep the last
@@ -91,7 +91,7 @@ def measure(shape: str, collective: str, chunks: int | None, out: str) -> None:
     }
     dist.all_gather_object(per_rank, record)
     if dist.get_rank() == 0:
-        meta = {"shape": shape, "collective": collective, "plan": p.describe(),
+        meta = {"shape": shape, "collective": collective, "plan": p.describe(), "backend": backend,
                 "device": torch.cuda.get_device_name(), "torch": torch.__version__}  # fmt: skip
         with open(out, "w") as f:
             json.dump({"meta": meta, "ranks": per_rank}, f)
@@ -144,6 +144,7 @@ def main() -> None:
     ap.add_argument("--shape", default="4096x8192x4096", help="MxNxK")
     ap.add_argument("--collective", default="all_reduce")
     ap.add_argument("--chunks", type=int, default=None)
+    ap.add_argument("--backend", default="auto", help="auto, torch, cupy or ce")
     ap.add_argument("--out", default="timeline.json")
     ap.add_argument("--plot", help="draw this JSON instead of measuring")
     ap.add_argument("--png", default="timeline.png")
@@ -151,7 +152,7 @@ def main() -> None:
     if a.plot:
         plot(a.plot, a.png)
     else:
-        measure(a.shape, a.collective, a.chunks, a.out)
+        measure(a.shape, a.collective, a.chunks, a.out, a.backend)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from ..signal import current_raw_stream
 
-BACKENDS = ("torch", "cupy")
+BACKENDS = ("auto", "torch", "cupy", "ce")  # "auto" and "ce": overlap.api, comm/peer.py
 
 
 class TorchComm:
