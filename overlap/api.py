@@ -182,12 +182,21 @@ _comms: dict[tuple, object] = {}
 _peer_ok: dict[tuple, bool] = {}  # (group, device): peer_capable's answer, asked once
 
 
+def _blocked(p: Plan) -> Plan:
+    """The copy-engine transport's plan for ``p`` (``make_plan(blocked=True)``): as many
+    chunks, the same tiles."""
+    return make_plan(
+        p.M, p.N, p.K, world_size=p.world_size, collective=p.collective, dtype_bits=16,
+        chunks=p.n_chunks, tiles=p.tiles, blocked=True,
+    )  # fmt: skip
+
+
 def _resolve_backend(backend: str, p: Plan, x: torch.Tensor, group) -> str:
     """The backend an overlapped call uses. "auto" and "ce" take the copy-engine transport
     where it runs: CUDA, every rank's GPU mapped by every other (asked once per group, a
-    collective), row-band chunks, no CUDA-graph capture (its epochs are host values), and for
-    all-reduce two ranks (it pushes the whole product to every peer). Elsewhere they take
-    NCCL through torch; "ce" on a group without P2P raises."""
+    collective), row-band chunks, ``M`` divisible by R, no CUDA-graph capture (its epochs are
+    host values). Elsewhere they take NCCL through torch; "ce" on a group without P2P
+    raises."""
     if backend not in ("auto", "ce"):
         return backend
     if not x.is_cuda or _capturing(x):
@@ -202,7 +211,7 @@ def _resolve_backend(backend: str, p: Plan, x: torch.Tensor, group) -> str:
                 "P2P access, cuda-python, NCCL_P2P_DISABLE unset); use 'auto' or 'torch'"
             )
         return "torch"
-    if p.n_col_bands > 1 or (p.collective == "all_reduce" and p.world_size > 2):
+    if p.n_col_bands > 1 or p.M % p.world_size:
         return "torch"
     return "ce"
 
@@ -330,11 +339,15 @@ def _overlapped(x2, w, out2, p: Plan, scale, ctx: _Context, comm, trace=None) ->
     dtype, device = x2.dtype, x2.device
     in_place = p.n_col_bands == 1
     peer = comm if isinstance(comm, PeerTransport) else None
-    # all-reduce through copy engines: the GEMM writes this rank's receive slot
-    p_flat = peer.begin(p, dtype) if peer is not None else None
-    if p_flat is None and p.collective == "all_reduce" and in_place:
-        p_flat = out2.view(-1)  # row bands of the standard layout are already contiguous
-    elif p_flat is None:
+    fuse = None
+    if peer is not None:  # copy engines: the blocked plan, the kernel finishes own tiles
+        p = _blocked(p)
+        fuse = peer.begin(p, dtype, out2)
+    if in_place and (p.collective == "all_reduce" or (peer and p.collective == "all_to_all")):
+        # row bands of the standard layout are already contiguous; through copy engines the
+        # peers' blocks of `out` are scratch until their own data arrives
+        p_flat = out2.view(-1)
+    else:
         p_flat = torch.empty(M * N, dtype=dtype, device=device)
     recv_flat = None
     if p.collective != "all_reduce" and not in_place:
@@ -362,13 +375,13 @@ def _overlapped(x2, w, out2, p: Plan, scale, ctx: _Context, comm, trace=None) ->
             caller = torch.cuda.current_stream(device)
             s.wait_stream(caller)  # inputs and buffers are ready before `s` touches them
         tiles = trace.tiles if trace is not None else None
-        chunked_matmul(x2, w, p_flat, counters, p, scale, trace=tiles)
+        chunked_matmul(x2, w, p_flat, counters, p, scale, trace=tiles, fuse=fuse)
         if not capturing:
             ctx.counters.commit(targets)
         try:
             with torch.cuda.stream(s):
                 if peer is not None:
-                    peer.run(p, p_flat, wait, s.cuda_stream)
+                    peer.run(p, p_flat, out2, wait, s.cuda_stream)
                 else:
                     run_chunks(p, comm, p_flat, out2, recv_flat, wait)
                 if trace is not None:
@@ -380,7 +393,7 @@ def _overlapped(x2, w, out2, p: Plan, scale, ctx: _Context, comm, trace=None) ->
                 # collective raised: the chunks issued before it still use them).
                 caller.wait_stream(s)
         if peer is not None:
-            peer.finish(p, out2)  # the reduction, on the caller stream
+            peer.finish(p, out2)  # the peers' blocks, on the caller stream
         if guard.validating() and not capturing:  # a capturing stream cannot be queried
             guard.watch(s, comm.abort, p.describe())
 

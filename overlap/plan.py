@@ -105,11 +105,18 @@ class Plan:
     chunk_cols: int = 0  # columns per column band (multiple of block_n)
     group_m: int = 1  # tile-row grouping of the launch order (divides tile rows per band)
     tiles_per_chunk: tuple[int, ...] = field(default=())
+    blocked: bool = False  # rank-block layout of the copy-engine transport (make_plan)
 
     @property
     def runs(self) -> int:
-        """Runs per row band: R for reduce-scatter and all-to-all, 1 for all-reduce."""
-        return self.world_size if self.collective != "all_reduce" else 1
+        """Runs per row band: R for reduce-scatter and all-to-all, 1 for all-reduce and for
+        blocked plans."""
+        return self.world_size if self.collective != "all_reduce" and not self.blocked else 1
+
+    @property
+    def bands_per_block(self) -> int:
+        """Blocked plans: row bands in each rank's block of ``M / R`` rows."""
+        return self.n_row_bands // self.world_size
 
     @property
     def rank_block_rows(self) -> int:
@@ -210,6 +217,7 @@ def make_plan(
     num_sms: int = 132,
     chunks: int | None = None,
     tiles: Tiles | None = None,
+    blocked: bool = False,
 ) -> Plan:
     """Choose the chunk plan for ``[M, K] @ [K, N]`` followed by ``collective`` over
     ``world_size`` ranks.
@@ -218,6 +226,11 @@ def make_plan(
     plan aims at about two GEMM waves (``num_sms`` tiles each) per chunk, between 2 and 8 chunks:
     DESIGN.md measured 1024- and 2048-row chunks best and 512 rows worse. ``tiles`` replaces
     the tile config of ``tiles_for`` (tests and tuning).
+
+    ``blocked`` (the copy-engine transport, ``overlap/comm/peer.py``): the standard row layout
+    (one run per band, as for all-reduce) cut into ``R * b`` equal row bands, ``b`` in each
+    rank's block of ``M / R`` rows (``b`` about ``chunks / R``), so that every band belongs to
+    one rank's block. Needs ``M`` divisible by ``R``; falls back like the others.
     """
     if collective not in COLLECTIVES:
         raise ValueError(f"collective must be one of {COLLECTIVES}, got {collective!r}")
@@ -248,6 +261,8 @@ def make_plan(
         most = 4 if collective == "all_to_all" else 8
         chunks = max(2, min(most, round(tm * tn / (2 * num_sms))))
 
+    if blocked:
+        return _blocked_plan(M, N, K, R, collective, t, chunks)
     # Row bands: runs of whole tiles, so every band but the last is a whole number of tile rows.
     runs = R if collective != "all_reduce" else 1
     units = math.ceil(M // runs / t.block_m)  # tile rows per run if there were one band
@@ -273,4 +288,23 @@ def make_plan(
     how = "row bands" if plan.n_col_bands == 1 else "column bands (small M)"
     return dataclasses.replace(
         plan, reason=f"{len(tiles)} chunks along {how}", group_m=group_m, tiles_per_chunk=tiles
+    )
+
+
+def _blocked_plan(M: int, N: int, K: int, R: int, collective: str, t: Tiles, chunks: int) -> Plan:
+    """``make_plan(blocked=True)``: ``b`` equal bands per rank block (``b`` divides ``M / R``
+    so that all bands have the same rows and tile rows; a band's last tile may be partial)."""
+    if M % R:
+        return _fallback(f"M ({M}) not divisible by the world size ({R})", collective, M, N, K, R)
+    block = M // R
+    b = max(1, min(round(chunks / R), math.ceil(block / t.block_m), MAX_CHUNKS // R))
+    while block % b:
+        b -= 1
+    plan = Plan("overlap", "", collective, M, N, K, R, t, block // b, N, blocked=True)
+    tiles = (plan.band_tile_rows(0) * math.ceil(N / t.block_n),) * (R * b)
+    return dataclasses.replace(
+        plan,
+        reason=f"{R * b} chunks, {b} row bands in each rank's block (copy-engine transport)",
+        group_m=math.gcd(8, plan.band_tile_rows(0)),
+        tiles_per_chunk=tiles,
     )

@@ -226,7 +226,8 @@ def fault_scenarios(rank: int, R: int, scenario: str, device: str) -> list[str]:
       gloo at once (the connection closes; validation off), NCCL through validation mode's
       watch (5 s timeout, then the communicator is aborted).
     - ``killed_mid_call_ce``: the same through the copy-engine transport (GPU only): rank 1
-      exits before pushing its second chunk; rank 0's watch releases its waits and raises.
+      exits before pushing its second band, for which rank 0's GEMM waits in its epilogue;
+      rank 0's watch releases the waits (flags written from a side stream) and raises.
     """
     import time
 
@@ -295,13 +296,13 @@ def fault_scenarios(rank: int, R: int, scenario: str, device: str) -> list[str]:
 
             orig_run = PeerTransport.run
 
-            def dying_run(self, p, p_flat, wait, stream):
+            def dying_run(self, p, p_flat, out2, wait, stream):
                 def wait_or_die(c):
-                    if c == 1:
+                    if c == 1:  # rank 0's own tiles of this band wait for it in the kernel
                         os._exit(0)
                     wait(c)
 
-                return orig_run(self, p, p_flat, wait_or_die, stream)
+                return orig_run(self, p, p_flat, out2, wait_or_die, stream)
 
             PeerTransport.run = dying_run
         t0 = time.monotonic()

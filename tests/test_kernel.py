@@ -103,3 +103,47 @@ def test_nan_and_inf_land_where_the_product_has_them(dtype):
     chunked_matmul(x, w, flat, counters.tensor, p)
     assert counters.tensor[: p.n_chunks].tolist() == list(p.tiles_per_chunk)
     assert not mismatch(_standard(p, flat), x.double() @ w.double(), TOL[dtype])
+
+
+@pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter", "all_to_all"])
+@pytest.mark.parametrize(("R", "rank", "shape"), [(2, 0, (128, 70, 48)), (2, 1, (200, 64, 40)),
+                                                  (3, 2, (192, 45, 33))])  # fmt: skip
+def test_blocked_plan_fused_epilogue(collective, R, rank, shape):
+    """The copy-engine transport's kernel on one rank: the peers' bands go to the slot buffer
+    (standard rows), this rank's block goes to ``out`` with every peer's pushed partial added
+    (all-to-all: stored as is); flags hold the epoch just below the 2**32 wrap."""
+    from overlap.gemm import Fuse
+
+    M, N, K = shape
+    p = make_plan(
+        M, N, K, world_size=R, collective=collective, dtype_bits=32, interpreter=True,
+        chunks=2 * R, blocked=True,
+    )  # fmt: skip
+    assert p.path == "overlap" and p.blocked and p.n_row_bands == R * p.bands_per_block
+    B = M // R
+    x, w = torch.randn(M, K), torch.randn(K, N)
+    recv = torch.randn(R, B, N)
+    recv[rank] = float("nan")  # this rank's own slot is never read
+    epoch = (1 << 32) - 1
+    flags = torch.full((R * p.bands_per_block,), -1, dtype=torch.int32)  # epoch as int32
+    flat = torch.full((M * N,), float("nan"))
+    out = torch.full((B if collective == "reduce_scatter" else M, N), float("nan"))
+    counters = ChunkCounters(torch.device("cpu"))
+    fuse = Fuse(out, recv, flags, epoch, rank, add=collective != "all_to_all")
+    chunked_matmul(x, w, flat, counters.tensor, p, scale=0.5, fuse=fuse)
+    prod = 0.5 * (x.double() @ w.double())
+    own = slice(rank * B, (rank + 1) * B)
+    peers = [s for s in range(R) if s != rank]
+    got = flat.view(M, N).double()
+    for s in peers:  # the bands this rank pushes: plain product rows in the slot buffer
+        block = slice(s * B, (s + 1) * B)
+        assert mismatch(got[block], prod[block], 1e-5) is None
+    assert torch.isnan(got[own]).all(), "this rank's block must not go to the slot buffer"
+    want = prod[own] + (sum(recv[s].double() for s in peers) if fuse.add else 0)
+    mine = out if collective == "reduce_scatter" else out[own]
+    assert mismatch(mine.double(), want, 1e-5) is None
+    if collective != "reduce_scatter":
+        rest = torch.cat([out[s * B : (s + 1) * B] for s in peers])
+        assert torch.isnan(rest).all(), "rows of other blocks are the transport's to fill"
+    for c in range(p.n_chunks):
+        assert reached(int(counters.tensor[c]), p.tiles_per_chunk[c])

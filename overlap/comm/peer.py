@@ -1,38 +1,39 @@
 """Copy-engine transport (``backend="ce"``) for ranks whose GPUs map each other's memory.
 
 NCCL's collectives run as kernels: while the GEMM runs they take SMs from it and each chunk's
-collective took ~1.8x its time alone (NOTES.md, the timeline). Here each finished chunk is
-instead *pushed* by the GPU's copy engines (``cuMemcpyAsync`` between torch symmetric-memory
-mappings, which use no SM) into its destination ranks' receive buffers, and the reduction is
-one kernel after the GEMM. This is the idea of torch's async-TP, driven by our chunk counters.
+collective took ~1.8x its time alone (NOTES.md, the timeline). Here chunks are *pushed* by the
+GPU's copy engines (``cuMemcpyAsync`` into torch symmetric-memory mappings of the peers'
+buffers, which uses no SM), and the reduction happens in the GEMM's own epilogue.
 
-Receive buffer of each rank (symmetric memory, ``[flags | data]``), slot ``s`` written by rank
-``s`` (slot ``r`` of rank ``r`` by itself):
+The plan is *blocked* (``make_plan(blocked=True)``): the standard row layout in ``R * b`` equal
+row bands, ``b`` per rank block of ``B = M / R`` rows. Rank ``r`` launches the bands starting
+at block ``r + 1`` so that its own block comes last (``gemm.Fuse``):
 
-==============  =====================  ============================================
-collective      data                   result (on the caller stream, after the GEMM)
-==============  =====================  ============================================
-all_reduce      ``[R, M, N]``          ``out = data.sum(0)``; the GEMM writes slot r
-reduce_scatter  ``[R, M / R, N]``      ``out = data.sum(0)``
-all_to_all      ``[R, M / R, N]``      ``out = data`` (a copy)
-==============  =====================  ============================================
+- a band of block ``d != r`` is stored in the slot buffer and, once its counter is reached,
+  pushed into rank ``d``'s receive slot ``r``; then the flag ``ARRIVED[r][k]`` (band ``k`` of
+  the block) on rank ``d`` is set to the call's epoch;
+- a tile of block ``r`` waits (in the kernel) for every peer's ``ARRIVED`` flag of its band,
+  adds their partials from the receive slots and stores the sum straight into ``out``. The
+  peers computed this block first, so their pushes landed long before (no wait in practice).
 
-An all-reduce pushes the whole chunk to every peer ((R - 1) x the product per rank; NCCL's
-ring moves 2 (R - 1) / R x): equal at R = 2, worse above, so ``backend="auto"`` takes this
-transport for all-reduce only at R = 2. The sum runs in float32 and rounds once.
+Per collective: reduce-scatter ends there. All-reduce also pushes each finished band of its
+own block (from ``out``) into every peer's *gather* slot ``r``; all-to-all adds nothing (own
+block stored as is) and its received blocks are its result. Both end with a handshake and a
+copy of the gather / receive slots into ``out`` on the caller stream. Data moved per rank: as
+NCCL's (R - 1) / R of the product for reduce-scatter and all-to-all, 2 (R - 1) / R for
+all-reduce.
 
-Flags (int32, on every rank): ``READY[s]`` (rank s's buffer may be written for call e) and
-``DONE[s]`` (rank s's pushes into this buffer for call e are complete), written by the peers
-with ``cuStreamWriteValue32`` (which fences the stream's earlier copies) and awaited with
-``cuStreamWaitValue32(GEQ)``; the epoch ``e`` counts this transport's calls (ranks call in the
-same order, as with NCCL). Per call on the communication stream: READY to every peer, wait
-for every peer's READY, per chunk (after its counter) the pushes, DONE to every peer, wait for
-every peer's DONE. So a buffer is never written before its owner's previous call has read it,
-and the caller reduces only after every push into it has landed.
+Buffer per rank (symmetric memory): flags (int32: ``READY[R]``, ``DONE[R]``,
+``ARRIVED[R * b]``), then receive slots ``[R, B, N]``, then (all-reduce) gather slots
+``[R, B, N]``. Flags are written by peers with ``cuStreamWriteValue32`` (which fences the
+stream's earlier copies) and awaited with ``cuStreamWaitValue32(GEQ)`` or, in the kernel,
+with acquire loads; values are the epoch of this transport's calls (ranks call in the same
+order, as with NCCL), compared cyclically. A call begins with ``READY`` to every peer and
+waits for theirs, so no buffer is written before its owner has finished the previous call.
 
-Needs: CUDA, torch symmetric memory, cuda-python, and P2P access between all ranks' GPUs
-(``peer_capable``). Plans with column bands and calls captured in CUDA graphs (the epochs are
-host values) use NCCL instead (``overlap.api``).
+Needs: CUDA, torch symmetric memory, cuda-python, P2P access between all ranks' GPUs
+(``peer_capable``). Column-band plans and CUDA-graph capture (epochs are host values) use
+NCCL instead (``overlap.api._resolve_backend``).
 """
 
 from __future__ import annotations
@@ -87,6 +88,9 @@ def _check(err, what: str) -> None:
         raise RuntimeError(f"{what} failed: {err}")
 
 
+READY, DONE = 0, 1  # flag kinds: index kind * R + src; ARRIVED at 2 * R + src * b + band
+
+
 class PeerTransport:
     """Copy-engine pushes into symmetric-memory receive buffers; one per context (caller
     stream), since the buffer and the epoch belong to one stream of calls."""
@@ -102,9 +106,9 @@ class PeerTransport:
         self.ptrs: list[int] = []  # every rank's buffer, mapped here
 
     # -- buffer ------------------------------------------------------------------------------
-    def _data_elems(self, p: Plan) -> int:
-        rows = p.M if p.collective == "all_reduce" else p.M // p.world_size
-        return p.world_size * rows * p.N
+    def _regions(self, p: Plan) -> int:
+        """Slot regions of ``[R, B, N]`` a plan needs: receive, and gather for all-reduce."""
+        return 2 if p.collective == "all_reduce" else 1
 
     def _ensure(self, nbytes: int) -> None:
         """A buffer of at least ``nbytes`` of data on every rank (a collective when it grows)."""
@@ -113,8 +117,8 @@ class PeerTransport:
         from torch.distributed import _symmetric_memory as symm_mem
 
         if self.buf is not None:
-            # No work of ours uses the old buffer any more (every call ends after its DONE
-            # wait, and the peers' pushes into it ended before their DONE).
+            # No work of ours uses the old buffer any more, and the peers' pushes into it ended
+            # before the kernel or the DONE handshake that read them.
             torch.cuda.synchronize(self.device)
         size = -(-(_FLAGS_BYTES + nbytes) // _ALIGN) * _ALIGN
         group = self.group if self.group is not None else dist.group.WORLD
@@ -129,101 +133,110 @@ class PeerTransport:
         self.buf, self.handle = buf, handle
         self.ptrs = [int(a) for a in handle.buffer_ptrs]
 
-    def _flag(self, rank: int, kind: int, src: int) -> int:
-        """Address (mapped here) of flag ``kind`` (0 READY, 1 DONE) from ``src`` on ``rank``."""
-        return self.ptrs[rank] + 4 * (kind * self.size + src)
+    def _flag(self, rank: int, index: int) -> int:
+        """Address (mapped here) of int32 flag ``index`` on ``rank``."""
+        return self.ptrs[rank] + 4 * index
 
-    def data(self, p: Plan, dtype: torch.dtype) -> torch.Tensor:
-        """This rank's receive slots, ``[R, rows, N]`` (module docstring)."""
-        n = self._data_elems(p)
+    def slots(self, p: Plan, dtype: torch.dtype, region: int = 0) -> torch.Tensor:
+        """This rank's receive (``region`` 0) or gather (1) slots, ``[R, B, N]``."""
+        n = p.M * p.N  # R slots of B rows
         es = torch.finfo(dtype).bits // 8
-        flat = self.buf[_FLAGS_BYTES : _FLAGS_BYTES + n * es].view(dtype)
-        return flat.view(p.world_size, -1, p.N)
+        start = _FLAGS_BYTES + region * n * es
+        return self.buf[start : start + n * es].view(dtype).view(p.world_size, -1, p.N)
 
     # -- one call ----------------------------------------------------------------------------
-    def begin(self, p: Plan, dtype: torch.dtype) -> torch.Tensor | None:
-        """Before the GEMM launches (on the host): size the buffer, open epoch ``e``. Returns
-        the flat buffer the GEMM writes into for all-reduce (this rank's slot), else None."""
+    def begin(self, p: Plan, dtype: torch.dtype, out2: torch.Tensor):
+        """Before the GEMM launches (on the host): size the buffer, open the next epoch, and
+        return the kernel's ``gemm.Fuse`` for the blocked plan ``p``."""
+        from ..gemm import Fuse  # Triton: only where the GEMM runs
+
         if self.broken:
             raise RuntimeError(
                 "the copy-engine transport of this stream was aborted (validation mode's "
                 "timeout); its epochs no longer match the peers'"
             )
+        if 2 * self.size + self.size * p.bands_per_block > _FLAGS_BYTES // 4:
+            raise ValueError(f"too many ranks ({self.size}) for the transport's flags")
         es = torch.finfo(dtype).bits // 8
-        self._ensure(self._data_elems(p) * es)
+        self._ensure(self._regions(p) * p.M * p.N * es)
         self.epoch += 1
-        if p.collective == "all_reduce":
-            return self.data(p, dtype)[self.rank].view(-1)
-        return None
+        flags = self.buf[:_FLAGS_BYTES].view(torch.int32)[2 * self.size :]
+        add = p.collective != "all_to_all"
+        return Fuse(out2, self.slots(p, dtype), flags, self.epoch, self.rank, add)
 
-    def _signal(self, stream: int, kind: int) -> None:
-        drv, e = _driver(), self.epoch & _MASK
-        for d in range(self.size):
-            if d != self.rank:
-                (err,) = drv.cuStreamWriteValue32(
-                    drv.CUstream(stream), drv.CUdeviceptr(self._flag(d, kind, self.rank)), e, 0
-                )
-                _check(err, "cuStreamWriteValue32 to a peer")
-
-    def _await(self, stream: int, kind: int) -> None:
-        drv, e = _driver(), self.epoch & _MASK
-        geq = drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
-        for s in range(self.size):
-            if s != self.rank:
-                (err,) = drv.cuStreamWaitValue32(
-                    drv.CUstream(stream), drv.CUdeviceptr(self._flag(self.rank, kind, s)), e, geq
-                )
-                _check(err, "cuStreamWaitValue32")
-
-    def run(self, p: Plan, p_flat: torch.Tensor, wait, stream: int) -> None:
-        """On ``stream`` (the communication stream): the handshake, then each chunk's pushes
-        after ``wait(c)``, then the closing handshake. ``p_flat`` is the GEMM's slot buffer."""
+    def _write(self, stream: int, rank: int, index: int) -> None:
+        """Write this call's epoch into int32 flag ``index`` of ``rank`` (stream-ordered)."""
         drv = _driver()
-        R, N, r = self.size, p.N, self.rank
+        addr = drv.CUdeviceptr(self._flag(rank, index))
+        (err,) = drv.cuStreamWriteValue32(drv.CUstream(stream), addr, self.epoch & _MASK, 0)
+        _check(err, "cuStreamWriteValue32 to a peer")
+
+    def _handshake(self, stream: int, kind: int) -> None:
+        """Flag ``kind`` to every peer, then wait for every peer's."""
+        drv, e, R, r = _driver(), self.epoch & _MASK, self.size, self.rank
+        peers = [d for d in range(R) if d != r]
+        for d in peers:
+            self._write(stream, d, kind * R + r)
+        geq = drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
+        for s in peers:
+            (err,) = drv.cuStreamWaitValue32(
+                drv.CUstream(stream), drv.CUdeviceptr(self._flag(r, kind * R + s)), e, geq
+            )
+            _check(err, "cuStreamWaitValue32")
+
+    def _push(self, cu_stream, src: int, rank: int, region: int, row: int, p: Plan, es: int):
+        """Copy one band (``run_rows x N`` elements of ``es`` bytes) from local address ``src``
+        into ``rank``'s slot region ``region`` at row ``row`` of its ``[R * B, N]`` view."""
+        drv, n = _driver(), p.run_rows * p.N * es
+        dst = self.ptrs[rank] + _FLAGS_BYTES + (region * p.M + row) * p.N * es
+        (err,) = drv.cuMemcpyAsync(drv.CUdeviceptr(dst), drv.CUdeviceptr(src), n, cu_stream)
+        _check(err, "cuMemcpyAsync to a peer")
+
+    def run(self, p: Plan, p_flat: torch.Tensor, out2: torch.Tensor, wait, stream: int) -> None:
+        """On ``stream`` (the communication stream): the opening handshake, the pushes of each
+        chunk after ``wait(c)`` (module docstring), and for all-reduce and all-to-all the
+        closing handshake."""
+        R, r, N, b = self.size, self.rank, p.N, p.bands_per_block
+        B, rows, n_bands = p.M // R, p.run_rows, p.n_row_bands
         es = p_flat.element_size()
-        src0 = p_flat.data_ptr()
-        rows_per_slot = p.M if p.collective == "all_reduce" else p.M // R
-        order = [(r + k) % R for k in range(1, R)] + [r]  # peers first, own slot last
-        cu_stream = drv.CUstream(stream)
-        self._signal(stream, 0)
-        self._await(stream, 0)
-        for c in range(p.n_chunks):
-            off, rows, cols, row0, _ = p.chunk_slot(c)
-            wait(c)
-            for d in order:
-                if p.collective == "all_reduce":
-                    if d == r:
-                        continue  # the GEMM wrote this rank's slot in place
-                    src, dst_row, n = src0 + off * es, r * rows_per_slot + row0, rows * cols
-                else:
-                    h = rows // R  # rank d's run of this chunk
-                    src = src0 + (off + d * h * cols) * es
-                    dst_row, n = r * rows_per_slot + row0 // R, h * cols
-                if n:
-                    dst = self.ptrs[d] + _FLAGS_BYTES + dst_row * N * es
-                    (err,) = drv.cuMemcpyAsync(
-                        drv.CUdeviceptr(dst), drv.CUdeviceptr(src), n * es, cu_stream
+        cu = _driver().CUstream(stream)
+        peers = [(r + k) % R for k in range(1, R)]
+        self._handshake(stream, READY)
+        for c in range(n_bands):
+            a = (c + (r + 1) % R * b) % n_bands  # the band launched c-th (gemm.Fuse)
+            d, k = divmod(a, b)
+            if d != r:  # a peer's band: into its receive slot r, then its ARRIVED flag
+                wait(c)
+                self._push(cu, p_flat.data_ptr() + a * rows * N * es, d, 0, r * B + k * rows, p, es)
+                self._write(stream, d, 2 * R + r * b + k)
+            elif p.collective == "all_reduce":  # own reduced band: into every gather slot r
+                wait(c)
+                for q in peers:
+                    self._push(
+                        cu, out2.data_ptr() + a * rows * N * es, q, 1, r * B + k * rows, p, es
                     )
-                    _check(err, "cuMemcpyAsync to a peer")
-        self._signal(stream, 1)
-        self._await(stream, 1)
+        if p.collective != "reduce_scatter":
+            self._handshake(stream, DONE)
 
     def finish(self, p: Plan, out2: torch.Tensor) -> None:
-        """On the caller stream, after it waited for ``run``: the result into ``out2``."""
-        data = self.data(p, out2.dtype)
-        if p.collective == "all_to_all":
-            out2.view_as(data).copy_(data)
-        else:
-            torch.sum(data, dim=0, out=out2)
+        """On the caller stream, after it waited for ``run``: the peers' blocks into ``out2``
+        (all-reduce: the gather slots; all-to-all: the receive slots)."""
+        if p.collective == "reduce_scatter":
+            return
+        got = self.slots(p, out2.dtype, 1 if p.collective == "all_reduce" else 0)
+        blocks = out2.view(self.size, -1, p.N)
+        for s in range(self.size):
+            if s != self.rank:
+                blocks[s].copy_(got[s])
 
     def abort(self) -> None:
-        """Release this rank's waits on its peers (validation mode's timeout): the flags are
-        set to the current epoch from a side stream; the transport refuses later calls."""
+        """Release this rank's waits on its peers (validation mode's timeout): every local
+        flag is set to the current epoch by stream memory writes on a side stream (no SM: a
+        GEMM waiting in its epilogue may hold them all); the transport refuses later calls."""
         self.broken = True
-        if self.buf is not None:
-            side = torch.cuda.Stream(self.device)
-            with torch.cuda.stream(side):
-                flags = self.buf[:_FLAGS_BYTES].view(torch.int32)[: 2 * self.size]
-                e = self.epoch & _MASK
-                flags.fill_(e - (1 << 32) if e >= 1 << 31 else e)
-            side.synchronize()
+        if self.buf is None:
+            return
+        side = torch.cuda.Stream(self.device)
+        for i in range(_FLAGS_BYTES // 4):
+            self._write(side.cuda_stream, self.rank, i)
+        side.synchronize()

@@ -18,12 +18,15 @@ This file imports no ``torch.distributed``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..plan import Plan
+from ..signal.counters import signed32
 
 W_POINTER, W_NK, W_KN = 0, 1, 2  # how the kernel reads w: pointers, TMA on [N, K], on [K, N]
 
@@ -48,16 +51,17 @@ def _load_ab(
     return a, b
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["epoch"])
 def _chunked_matmul_kernel(
     x_ref, w_ref, p_ptr, counter_ptr, trace_ptr, bad_rows_ptr, bad_cols_ptr,
+    out_ptr, recv_ptr, flags_ptr, epoch, rank, world, shift, bands_per_block, out_row0,
     M, N, K,
     stride_xm, stride_xk, stride_wk, stride_wn,
     NUM_PID_M, TILES_FULL, CHUNK_ROWS, RUN_ROWS, RUN_ROWS_LAST, N_BANDS, RANK_ROWS,
     CHUNK_COLS,
     N_COL_BANDS, scale,
     RUNS: tl.constexpr, X_DESC: tl.constexpr, W_MODE: tl.constexpr,
-    HAS_SCALE: tl.constexpr, PRECISION: tl.constexpr, TRACE: tl.constexpr,
+    HAS_SCALE: tl.constexpr, PRECISION: tl.constexpr, TRACE: tl.constexpr, FUSE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(axis=0)
@@ -73,10 +77,13 @@ def _chunked_matmul_kernel(
 
     # Tile row pid_m -> row band a, run r (rank block) within it, tile t within the run.
     # TILES_FULL: tile rows of a full band; the last band has as many or fewer.
-    band_a = tl.minimum(pid_m // TILES_FULL, N_BANDS - 1)
+    launch_a = tl.minimum(pid_m // TILES_FULL, N_BANDS - 1)  # bands finish in launch order
+    band_a = launch_a
+    if FUSE > 0:  # blocked plan (equal bands): start at band `shift`, this rank's block last
+        band_a = (launch_a + shift) % N_BANDS
     run_rows = tl.where(band_a == N_BANDS - 1, RUN_ROWS_LAST, RUN_ROWS)
     tiles_per_run = tl.cdiv(run_rows, BLOCK_M)
-    local = pid_m - band_a * TILES_FULL
+    local = pid_m - launch_a * TILES_FULL
     run = local // tiles_per_run
     t = local - run * tiles_per_run
     x_row0 = run * RANK_ROWS + band_a * RUN_ROWS + t * BLOCK_M
@@ -127,17 +134,39 @@ def _chunked_matmul_kernel(
 
     if HAS_SCALE:
         acc = acc * scale
-    y = acc.to(p_ptr.dtype.element_ty)
-    # Slot of chunk (a, b): band_rows x band_cols row-major at row0 * N + col0 * band_rows.
     offs_i = tl.arange(0, BLOCK_M)
     offs_n = n0 + tl.arange(0, BLOCK_N)
-    slot = row0.to(tl.int64) * N + col0 * band_rows
-    rows = (slot_row0 - row0 + offs_i).to(tl.int64)
-    offs = slot + rows[:, None] * band_cols + (offs_n - col0)[None, :]
     mask = (offs_i[:, None] < valid_rows) & (offs_n[None, :] < N)
-    tl.store(p_ptr + offs, y, mask=mask)
+    own = False
+    if FUSE > 0:
+        own = band_a // bands_per_block == rank
+    if own:
+        # This rank's block (computed last): add the peers' partials of this tile, pushed
+        # into `recv` ([world, M / world, N], slot s from rank s) by their copy engines, once
+        # each peer's flag for this band holds this call's epoch; store into `out` directly.
+        block_rows = M // world
+        brow = tl.cast(x_row0 - rank * block_rows + offs_i, tl.int64)  # rows in the block
+        if FUSE == 1:
+            k = band_a % bands_per_block
+            block_elems = tl.cast(block_rows, tl.int64) * N
+            for s in range(0, world):
+                if s != rank:
+                    flag = flags_ptr + s * bands_per_block + k
+                    while tl.atomic_add(flag, 0, sem="acquire", scope="sys") - epoch < 0:
+                        pass
+                    part = recv_ptr + s * block_elems + brow[:, None] * N + offs_n[None, :]
+                    acc += tl.load(part, mask=mask, other=0.0).to(tl.float32)
+        orow = (x_row0 - out_row0 + offs_i).to(tl.int64)
+        tl.store(out_ptr + orow[:, None] * N + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=mask)  # fmt: skip
+    else:
+        # Slot of chunk (a, b): band_rows x band_cols row-major at row0 * N + col0 * band_rows.
+        slot = row0.to(tl.int64) * N + col0 * band_rows
+        rows = (slot_row0 - row0 + offs_i).to(tl.int64)
+        offs = slot + rows[:, None] * band_cols + (offs_n - col0)[None, :]
+        tl.store(p_ptr + offs, acc.to(p_ptr.dtype.element_ty), mask=mask)
     tl.debug_barrier()
-    chunk = band_a * N_COL_BANDS + band_b
+    chunk = launch_a * N_COL_BANDS + band_b
     tl.atomic_add(counter_ptr + chunk, 1, sem="release", scope="gpu")
     if TRACE:
         tl.store(trace_ptr + 4 * pid + 1, tl.extra.cuda.globaltimer())
@@ -156,6 +185,24 @@ def _tma_ok(t: torch.Tensor) -> bool:
     )
 
 
+@dataclass
+class Fuse:
+    """The copy-engine transport's epilogue (``overlap/comm/peer.py``), for a blocked plan:
+    tiles of this rank's block add the peers' partials and go straight to ``out``.
+
+    ``out``: the result (``[M / R, N]`` reduce-scatter, ``[M, N]`` otherwise); ``recv``:
+    ``[R, M / R, N]`` this rank's receive slots; ``flags``: int32, ``flags[s * b + k]`` holds
+    the epoch of the call whose band ``k`` rank ``s`` pushed last; ``add``: False for
+    all-to-all (own tiles are stored, nothing is added)."""
+
+    out: torch.Tensor
+    recv: torch.Tensor
+    flags: torch.Tensor
+    epoch: int
+    rank: int
+    add: bool
+
+
 def chunked_matmul(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -165,6 +212,7 @@ def chunked_matmul(
     scale: float | None = None,
     use_tma: bool = True,
     trace: torch.Tensor | None = None,
+    fuse: Fuse | None = None,
 ) -> None:
     """Launch the GEMM of ``plan`` on the current stream.
 
@@ -178,6 +226,9 @@ def chunked_matmul(
         use_tma: load through TMA descriptors where the strides allow (Hopper and newer).
         trace: ``[4 * tiles]`` int64 (GPU only): per tile (program id order) its start and end
             in ns of the GPU's global timer, its SM and its chunk (``tools/timeline.py``).
+        fuse: for blocked plans (``plan.blocked``): launch the bands from the first band of
+            rank ``fuse.rank + 1``'s block, so this rank's block comes last, and finish its
+            tiles in ``fuse.out`` (``Fuse``). Chunk ``c`` is the ``c``-th band launched.
     """
     t = plan.tiles
     M, K = x.shape
@@ -199,9 +250,19 @@ def chunked_matmul(
     elif use_tma and _tma_ok(w):
         w_ref, w_mode = TensorDescriptor.from_tensor(w, [t.block_k, t.block_n]), W_KN
     grid = (plan.num_tile_rows * triton.cdiv(N, t.block_n),)
+    R = plan.world_size
+    if fuse is not None:
+        if not plan.blocked:
+            raise ValueError("fuse needs a blocked plan (make_plan(blocked=True))")
+        b = plan.bands_per_block
+        f_args = (fuse.out, fuse.recv, fuse.flags, signed32(fuse.epoch),
+                  fuse.rank, R, (fuse.rank + 1) % R * b, b,
+                  fuse.rank * (M // R) if plan.collective == "reduce_scatter" else 0)  # fmt: skip
+    else:
+        f_args = (counters, counters, counters, 0, 0, R, 0, 1, 0)
     _chunked_matmul_kernel[grid](
         x_ref, w_ref, p_flat, counters, trace if trace is not None else counters,
-        bad_rows, bad_cols,
+        bad_rows, bad_cols, *f_args,
         M, N, K,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1),
         plan.num_tile_rows, plan.band_tile_rows(0), plan.chunk_rows, plan.run_rows,
@@ -210,7 +271,7 @@ def chunked_matmul(
         1.0 if scale is None else scale,
         RUNS=plan.runs, X_DESC=x_ref is not x, W_MODE=w_mode,
         HAS_SCALE=scale is not None, PRECISION="tf32x3" if tf32x3 else "tf32",
-        TRACE=trace is not None,
+        TRACE=trace is not None, FUSE=0 if fuse is None else 1 if fuse.add else 2,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=plan.group_m,
         num_warps=t.num_warps, num_stages=t.num_stages,
     )  # fmt: skip

@@ -20,6 +20,12 @@ from ..plan import MAX_CHUNKS
 _MASK = 0xFFFFFFFF
 
 
+def signed32(value: int) -> int:
+    """``value`` mod 2**32 as the int32 with the same bits (what a kernel or fill_ takes)."""
+    value &= _MASK
+    return value - (1 << 32) if value >= 1 << 31 else value
+
+
 def reached(value: int, target: int) -> bool:
     """Cyclic ``value >= target`` on 32-bit counters (the rule of CU_STREAM_WAIT_VALUE_GEQ)."""
     diff = (value - target) & _MASK
@@ -31,8 +37,7 @@ class ChunkCounters:
 
     def __init__(self, device: torch.device, start: int = 0) -> None:
         # `start` lets tests begin near the wrap-around point.
-        signed = start - (1 << 32) if start >= 1 << 31 else start
-        self.tensor = torch.full((MAX_CHUNKS,), signed, dtype=torch.int32, device=device)
+        self.tensor = torch.full((MAX_CHUNKS,), signed32(start), dtype=torch.int32, device=device)
         self.views = list(self.tensor.split(1))  # one-element view per counter, made once
         self.expected = [start & _MASK] * MAX_CHUNKS
 
