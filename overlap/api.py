@@ -343,7 +343,9 @@ def _overlapped(x2, w, out2, p: Plan, scale, ctx: _Context, comm, trace=None) ->
     if peer is not None:  # copy engines: the blocked plan, the kernel finishes own tiles
         p = _blocked(p)
         fuse = peer.begin(p, dtype, out2)
-    if in_place and (p.collective == "all_reduce" or (peer and p.collective == "all_to_all")):
+    if in_place and (
+        p.collective == "all_reduce" or (peer is not None and p.collective == "all_to_all")
+    ):
         # row bands of the standard layout are already contiguous; through copy engines the
         # peers' blocks of `out` are scratch until their own data arrives
         p_flat = out2.view(-1)
@@ -392,8 +394,6 @@ def _overlapped(x2, w, out2, p: Plan, scale, ctx: _Context, comm, trace=None) ->
                 # are free to reuse once this call's work on `s` is done (also when a chunk's
                 # collective raised: the chunks issued before it still use them).
                 caller.wait_stream(s)
-        if peer is not None:
-            peer.finish(p, out2)  # the peers' blocks, on the caller stream
         if guard.validating() and not capturing:  # a capturing stream cannot be queried
             guard.watch(s, comm.abort, p.describe())
 

@@ -300,6 +300,11 @@ def _blocked_plan(M: int, N: int, K: int, R: int, collective: str, t: Tiles, chu
     b = max(1, min(round(chunks / R), math.ceil(block / t.block_m), MAX_CHUNKS // R))
     while block % b:
         b -= 1
+    if collective == "all_reduce":
+        # All-reduce's last band still travels after the GEMM: halve the bands while a band
+        # keeps 4 tile rows (GROUP_M 4: fewer cost GEMM speed) and b stays within chunks.
+        while 2 * b <= chunks and block % (2 * b) == 0 and block // (2 * b) >= 4 * t.block_m:
+            b *= 2
     plan = Plan("overlap", "", collective, M, N, K, R, t, block // b, N, blocked=True)
     tiles = (plan.band_tile_rows(0) * math.ceil(N / t.block_n),) * (R * b)
     return dataclasses.replace(

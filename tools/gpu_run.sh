@@ -10,7 +10,7 @@
 #   host: host time per call (tools/host_profile.py); verify_host: example, suite, host
 #   benches: main bench (NVLink, no P2P) and the tuned bench on the large shapes
 #   ce: the copy-engine transport: its tests, the large shapes through it and through NCCL,
-#       and two timelines
+#       and two timelines; ce_final: example, both benches, timelines, then the whole suite
 set -u
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -33,7 +33,7 @@ run_suite() {  # [pytest -k expression]: one process per test, so a hang costs o
   ids=$(python3 -m pytest -m gpu tests/test_gpu.py -q -p no:cacheprovider --collect-only ${1:+-k "$1"} 2>/dev/null | grep "::")
   for id in $ids; do
     local t0=$SECONDS
-    if timeout 150 python3 -m pytest "$id" -q -p no:cacheprovider > "$OUT/one_test.log" 2>&1; then
+    if timeout 150 python3 -m pytest -m gpu "$id" -q -p no:cacheprovider > "$OUT/one_test.log" 2>&1; then
       echo "PASS $((SECONDS - t0))s $id"
     else
       echo "FAIL(rc=$?) $((SECONDS - t0))s $id"; tail -25 "$OUT/one_test.log"
@@ -133,6 +133,16 @@ if [ "$what" = ce ]; then
   run_bench torch --shapes $big --iters 20 --backend torch --collectives all_reduce,reduce_scatter
   for c in all_reduce reduce_scatter; do
     timeout 60 torchrun --nproc-per-node=2 tools/timeline.py --collective $c --backend ce --out "$OUT/timeline_ce_$c.json" 2>&1 | grep -v "^W1\|OMP_NUM\|^\*\*\*" | tail -3
+  done
+  run_suite "ce or auto or copy"
+  run_suite "not (ce or auto or copy)"
+fi
+if [ "$what" = ce_final ]; then
+  run_example
+  run_bench nvlink --iters 20
+  NCCL_P2P_DISABLE=1 run_bench no_p2p --iters 20 --shapes $big
+  for c in all_reduce reduce_scatter; do
+    timeout 60 torchrun --nproc-per-node=2 tools/timeline.py --collective $c --out "$OUT/timeline_ce_$c.json" 2>&1 | grep -v "^W1\|OMP_NUM\|^\*\*\*" | tail -2
   done
   run_suite "ce or auto or copy"
   run_suite "not (ce or auto or copy)"

@@ -16,20 +16,25 @@ at block ``r + 1`` so that its own block comes last (``gemm.Fuse``):
   adds their partials from the receive slots and stores the sum straight into ``out``. The
   peers computed this block first, so their pushes landed long before (no wait in practice).
 
-Per collective: reduce-scatter ends there. All-reduce also pushes each finished band of its
-own block (from ``out``) into every peer's *gather* slot ``r``; all-to-all adds nothing (own
-block stored as is) and its received blocks are its result. Both end with a handshake and a
-copy of the gather / receive slots into ``out`` on the caller stream. Data moved per rank: as
-NCCL's (R - 1) / R of the product for reduce-scatter and all-to-all, 2 (R - 1) / R for
-all-reduce.
+Per collective: reduce-scatter ends there. All-reduce also pushes each reduced band of its
+own block (from ``out``) into every peer's *gather* slot ``r`` and flags it (``GATHERED``);
+each rank copies the bands it is sent from its gather slots into ``out``, band by band, as
+their flags arrive. All-to-all adds nothing (own block stored as is) and copies its receive
+slots into ``out`` the same way. Those copies are local copy-engine copies on the
+communication stream, so no reduction or copy kernel runs after the GEMM. Data moved per
+rank: as NCCL's ring, (R - 1) / R of the product for reduce-scatter and all-to-all,
+2 (R - 1) / R for all-reduce.
 
-Buffer per rank (symmetric memory): flags (int32: ``READY[R]``, ``DONE[R]``,
-``ARRIVED[R * b]``), then receive slots ``[R, B, N]``, then (all-reduce) gather slots
+Buffer per rank (symmetric memory): flags (int32: ``READY[R]``, ``ARRIVED[R][b]``,
+``GATHERED[R][b]``), then receive slots ``[R, B, N]``, then (all-reduce) gather slots
 ``[R, B, N]``. Flags are written by peers with ``cuStreamWriteValue32`` (which fences the
 stream's earlier copies) and awaited with ``cuStreamWaitValue32(GEQ)`` or, in the kernel,
 with acquire loads; values are the epoch of this transport's calls (ranks call in the same
 order, as with NCCL), compared cyclically. A call begins with ``READY`` to every peer and
-waits for theirs, so no buffer is written before its owner has finished the previous call.
+waits for theirs, so no buffer is written before its owner has finished the previous call
+(which ended when its kernel had read the receive slots and its copies had read the gather
+slots). Nothing on the communication stream needs an SM: the kernel's waiting tiles could
+otherwise hold every SM while the push they wait for queued behind a kernel.
 
 Needs: CUDA, torch symmetric memory, cuda-python, P2P access between all ranks' GPUs
 (``peer_capable``). Column-band plans and CUDA-graph capture (epochs are host values) use
@@ -88,7 +93,8 @@ def _check(err, what: str) -> None:
         raise RuntimeError(f"{what} failed: {err}")
 
 
-READY, DONE = 0, 1  # flag kinds: index kind * R + src; ARRIVED at 2 * R + src * b + band
+# int32 flags at the start of every buffer: READY[src] at src, then ARRIVED[src][band] at
+# R + src * b + band (receive slot), then GATHERED[src][band] at R + R * b + src * b + band.
 
 
 class PeerTransport:
@@ -118,7 +124,7 @@ class PeerTransport:
 
         if self.buf is not None:
             # No work of ours uses the old buffer any more, and the peers' pushes into it ended
-            # before the kernel or the DONE handshake that read them.
+            # before the kernel or the copies that waited for their flags.
             torch.cuda.synchronize(self.device)
         size = -(-(_FLAGS_BYTES + nbytes) // _ALIGN) * _ALIGN
         group = self.group if self.group is not None else dist.group.WORLD
@@ -155,12 +161,12 @@ class PeerTransport:
                 "the copy-engine transport of this stream was aborted (validation mode's "
                 "timeout); its epochs no longer match the peers'"
             )
-        if 2 * self.size + self.size * p.bands_per_block > _FLAGS_BYTES // 4:
+        if self.size * (1 + 2 * p.bands_per_block) > _FLAGS_BYTES // 4:
             raise ValueError(f"too many ranks ({self.size}) for the transport's flags")
         es = torch.finfo(dtype).bits // 8
         self._ensure(self._regions(p) * p.M * p.N * es)
         self.epoch += 1
-        flags = self.buf[:_FLAGS_BYTES].view(torch.int32)[2 * self.size :]
+        flags = self.buf[:_FLAGS_BYTES].view(torch.int32)[self.size :]  # ARRIVED
         add = p.collective != "all_to_all"
         return Fuse(out2, self.slots(p, dtype), flags, self.epoch, self.rank, add)
 
@@ -171,63 +177,67 @@ class PeerTransport:
         (err,) = drv.cuStreamWriteValue32(drv.CUstream(stream), addr, self.epoch & _MASK, 0)
         _check(err, "cuStreamWriteValue32 to a peer")
 
-    def _handshake(self, stream: int, kind: int) -> None:
-        """Flag ``kind`` to every peer, then wait for every peer's."""
-        drv, e, R, r = _driver(), self.epoch & _MASK, self.size, self.rank
-        peers = [d for d in range(R) if d != r]
-        for d in peers:
-            self._write(stream, d, kind * R + r)
+    def _wait(self, stream: int, index: int) -> None:
+        """Order the rest of ``stream`` after this rank's flag ``index`` holds this epoch."""
+        drv = _driver()
         geq = drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
-        for s in peers:
-            (err,) = drv.cuStreamWaitValue32(
-                drv.CUstream(stream), drv.CUdeviceptr(self._flag(r, kind * R + s)), e, geq
-            )
-            _check(err, "cuStreamWaitValue32")
+        addr = drv.CUdeviceptr(self._flag(self.rank, index))
+        (err,) = drv.cuStreamWaitValue32(drv.CUstream(stream), addr, self.epoch & _MASK, geq)
+        _check(err, "cuStreamWaitValue32")
 
-    def _push(self, cu_stream, src: int, rank: int, region: int, row: int, p: Plan, es: int):
-        """Copy one band (``run_rows x N`` elements of ``es`` bytes) from local address ``src``
-        into ``rank``'s slot region ``region`` at row ``row`` of its ``[R * B, N]`` view."""
-        drv, n = _driver(), p.run_rows * p.N * es
-        dst = self.ptrs[rank] + _FLAGS_BYTES + (region * p.M + row) * p.N * es
+    def _copy(self, cu_stream, dst: int, src: int, n: int) -> None:
+        """``n`` bytes from ``src`` to ``dst`` (either may be a peer's), by a copy engine."""
+        drv = _driver()
         (err,) = drv.cuMemcpyAsync(drv.CUdeviceptr(dst), drv.CUdeviceptr(src), n, cu_stream)
-        _check(err, "cuMemcpyAsync to a peer")
+        _check(err, "cuMemcpyAsync")
 
     def run(self, p: Plan, p_flat: torch.Tensor, out2: torch.Tensor, wait, stream: int) -> None:
-        """On ``stream`` (the communication stream): the opening handshake, the pushes of each
-        chunk after ``wait(c)`` (module docstring), and for all-reduce and all-to-all the
-        closing handshake."""
+        """On ``stream`` (the communication stream), in the order the kernel launches bands:
+        READY to every peer and wait for theirs; then per band ``a`` (block ``d``, band ``k``
+        in it), after ``wait(c)``:
+
+        - ``d != r``: push it into rank d's receive slot r, set ARRIVED[r][k] there;
+        - ``d == r``, all-reduce: push the reduced band from ``out2`` into every peer's gather
+          slot r and set GATHERED[r][k] there; then, per peer s, once GATHERED[s][k] is set
+          here, copy its band from gather slot s into ``out2``'s block s;
+        - ``d == r``, all-to-all: per peer s, once ARRIVED[s][k] is set here, copy receive
+          slot s's band into ``out2``'s block s (the kernel stored this rank's block).
+
+        Every copy is a copy engine's; the caller waits for ``stream`` and is then done."""
         R, r, N, b = self.size, self.rank, p.N, p.bands_per_block
         B, rows, n_bands = p.M // R, p.run_rows, p.n_row_bands
         es = p_flat.element_size()
+        band = rows * N * es  # bytes
         cu = _driver().CUstream(stream)
         peers = [(r + k) % R for k in range(1, R)]
-        self._handshake(stream, READY)
+
+        def slot(rank: int, region: int, s: int, k: int) -> int:  # band k of slot s on rank
+            return self.ptrs[rank] + _FLAGS_BYTES + ((region * R + s) * B + k * rows) * N * es
+
+        def block(s: int, k: int) -> int:  # band k of out2's block s
+            return out2.data_ptr() + (s * B + k * rows) * N * es
+
+        for d in peers:
+            self._write(stream, d, r)  # READY: this rank's buffer may be written
+        for s in peers:
+            self._wait(stream, s)
         for c in range(n_bands):
             a = (c + (r + 1) % R * b) % n_bands  # the band launched c-th (gemm.Fuse)
             d, k = divmod(a, b)
-            if d != r:  # a peer's band: into its receive slot r, then its ARRIVED flag
+            if d != r:
                 wait(c)
-                self._push(cu, p_flat.data_ptr() + a * rows * N * es, d, 0, r * B + k * rows, p, es)
-                self._write(stream, d, 2 * R + r * b + k)
-            elif p.collective == "all_reduce":  # own reduced band: into every gather slot r
-                wait(c)
-                for q in peers:
-                    self._push(
-                        cu, out2.data_ptr() + a * rows * N * es, q, 1, r * B + k * rows, p, es
-                    )
-        if p.collective != "reduce_scatter":
-            self._handshake(stream, DONE)
-
-    def finish(self, p: Plan, out2: torch.Tensor) -> None:
-        """On the caller stream, after it waited for ``run``: the peers' blocks into ``out2``
-        (all-reduce: the gather slots; all-to-all: the receive slots)."""
-        if p.collective == "reduce_scatter":
-            return
-        got = self.slots(p, out2.dtype, 1 if p.collective == "all_reduce" else 0)
-        blocks = out2.view(self.size, -1, p.N)
-        for s in range(self.size):
-            if s != self.rank:
-                blocks[s].copy_(got[s])
+                self._copy(cu, slot(d, 0, r, k), p_flat.data_ptr() + a * band, band)
+                self._write(stream, d, R + r * b + k)
+            elif p.collective != "reduce_scatter":
+                region, flag0 = (1, R + R * b) if p.collective == "all_reduce" else (0, R)
+                if p.collective == "all_reduce":
+                    wait(c)
+                    for q in peers:
+                        self._copy(cu, slot(q, 1, r, k), block(r, k), band)
+                        self._write(stream, q, flag0 + r * b + k)
+                for s in peers:
+                    self._wait(stream, flag0 + s * b + k)
+                    self._copy(cu, block(s, k), slot(r, region, s, k), band)
 
     def abort(self) -> None:
         """Release this rank's waits on its peers (validation mode's timeout): every local
