@@ -21,7 +21,7 @@ def measure(shape: str, collective: str, chunks: int | None, out: str, backend: 
     import triton.language as tl
 
     import overlap
-    from overlap.api import _collective, _context, _overlapped, _resolve_backend
+    from overlap.api import _blocked, _collective, _context, _overlapped, _resolve_backend
 
     @triton.jit
     def _stamp(ptr, i):
@@ -50,6 +50,7 @@ def measure(shape: str, collective: str, chunks: int | None, out: str, backend: 
     ctx = _context(None, dev)
     backend = _resolve_backend(backend, p, x, None)
     comm = ctx.comm(backend)
+    ran = _blocked(p) if backend == "ce" else p  # the plan _overlapped runs
     if backend == "ce":
         # No stamps: they are kernels on the communication stream, which the copy-engine
         # transport keeps free of SM work (the GEMM's waiting tiles could hold every SM).
@@ -96,8 +97,9 @@ def measure(shape: str, collective: str, chunks: int | None, out: str, backend: 
     }
     dist.all_gather_object(per_rank, record)
     if dist.get_rank() == 0:
-        meta = {"shape": shape, "collective": collective, "plan": p.describe(), "backend": backend,
-                "device": torch.cuda.get_device_name(), "torch": torch.__version__}  # fmt: skip
+        meta = {"shape": shape, "collective": collective, "plan": ran.describe(),
+                "backend": backend, "device": torch.cuda.get_device_name(),
+                "torch": torch.__version__}  # fmt: skip
         with open(out, "w") as f:
             json.dump({"meta": meta, "ranks": per_rank}, f)
         print(f"wrote {out}: {p.describe()}")
@@ -113,8 +115,9 @@ def plot(path: str, png: str) -> None:
     data = json.load(open(path))
     r0 = data["ranks"][0]
     tiles = r0["tiles_us"]
-    stamps = r0["stamps_us"]
-    n_chunks = len(stamps) // 2
+    # the copy-engine transport records no stamps (see measure): tiles and the sequential bars
+    stamps = r0["stamps_us"] if data["meta"].get("backend") != "ce" else []
+    n_chunks = 1 + max(t[3] for t in tiles)
     colors = plt.cm.viridis([i / max(1, n_chunks - 1) for i in range(n_chunks)])
     fig, (ax_t, ax_c) = plt.subplots(
         2, 1, figsize=(10, 5.5), sharex=True, gridspec_kw={"height_ratios": [3, 1.3]}
@@ -124,8 +127,10 @@ def plot(path: str, png: str) -> None:
     for a, b, sm, c in tiles:
         ax_t.barh(row_of[sm], b - a, left=a, height=0.9, color=colors[c], linewidth=0)
     ax_t.set_ylabel(f"SM ({len(sms)} used)")
-    ax_t.set_title(f"{data['meta']['plan']}\n{data['meta']['device']}, rank 0", fontsize=9)
-    for c in range(n_chunks):
+    how = "copy-engine transport: colours are chunks in launch order" if not stamps else ""
+    title = f"{data['meta']['plan']}\n{data['meta']['device']}, rank 0. {how}"
+    ax_t.set_title(title, fontsize=9)
+    for c in range(len(stamps) // 2):
         ready, done = stamps[2 * c], stamps[2 * c + 1]
         ax_c.barh(1, done - ready, left=ready, height=0.6, color=colors[c], edgecolor="k")
         ax_c.text(ready, 1.35, f"c{c}", fontsize=7)
@@ -137,7 +142,7 @@ def plot(path: str, png: str) -> None:
     ax_c.text(g_us, -0.45, data["meta"]["collective"], fontsize=7)
     ax_c.set_yticks([0, 1], ["sequential", "chunk\ncollectives"])
     ax_c.set_xlabel("microseconds from the first tile's start")
-    end = max(stamps[-1], g_us + c_us)
+    end = max(stamps[-1:] + [max(t[1] for t in tiles), g_us + c_us])
     ax_c.set_xlim(0, end * 1.02)
     fig.tight_layout()
     fig.savefig(png, dpi=130)
