@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 import overlap
-from overlap.api import _collective, _resolve_backend
+from overlap.api import _collective, _context, _resolve_backend
 from overlap.tuner import time_queued
 
 SHAPES = [
@@ -186,7 +186,10 @@ def bench_one(
     row["error_vs_plain"] = ((out.float() - want.float()).norm() / want.float().norm()).item()
     torch.cuda.synchronize()
     row["peak_mb_sequential"] = _peak_mb(seq)
-    row["peak_mb_overlap"] = _peak_mb(ovl)
+    row["peak_mb_overlap"] = _peak_mb(ovl)  # torch's allocator: not the symmetric memory
+    if row["transport"] == "ce":  # the copy-engine transport's buffer, kept between calls
+        peer = _context(ovl_group, dev)._peer
+        row["transport_buffer_mb"] = peer.buf.numel() / 2**20 if peer is not None else None
     limit = max(row["gemm_cublas"], row["comm"])
     row["speedup"] = row["sequential"] / row["overlap"]
     hideable = row["sequential"] - limit
