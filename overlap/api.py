@@ -15,13 +15,19 @@ all_to_all        ``[..., N]``             ``dist.all_to_all_single(out, x @ w)`
 Failures: ``overlap.configure(validate=True)`` makes every call check that all ranks make the
 same call, with a timeout, before anything is launched (``overlap/guard.py``, RELIABILITY.md).
 
-Hazards: state (counters, the communication stream) is kept per (group, device, caller stream),
-so calls on different streams never share counters; calls on one stream are serialized by that
-stream. Communicators are kept per (group, device, backend). Calls can be captured in CUDA
-graphs (after one eager warm-up call): a captured call counts on counters of its own that the
-graph zeroes at every replay. The Triton interpreter is used for CPU tensors only when
-``TRITON_INTERPRET=1`` is set before ``overlap`` first launches a kernel (Triton reads it when
-the kernel is defined).
+Transports: NCCL, one collective per chunk (``backend="torch"`` or ``"cupy"``), works on any
+GPUs; the copy-engine transport (``"ce"``, ``overlap/comm/peer.py``) needs GPUs that map each
+other's memory and is what ``"auto"`` (the default) takes there (``_resolve_backend``).
+
+Hazards: state (counters, the communication stream, the copy-engine transport's buffer and
+epochs) is kept per (group, device, caller stream), so calls on different streams never share
+it; calls on one stream are serialized by that stream. NCCL communicators are kept per
+(group, device, backend). Calls can be captured in CUDA graphs (after one eager warm-up call):
+a captured call counts on counters of its own that the graph zeroes at every replay, and
+always goes through NCCL. The first overlapped call of a group with ``"auto"`` or ``"ce"``
+asks every rank whether the transport can run (a collective), so every rank must make it.
+The Triton interpreter is used for CPU tensors only when ``TRITON_INTERPRET=1`` is set before
+``overlap`` first launches a kernel (Triton reads it when the kernel is defined).
 """
 
 from __future__ import annotations
@@ -91,7 +97,9 @@ def plan(
     chunks: int | None = None,
 ) -> Plan:
     """The plan a call with these arguments takes: ``path`` ("overlap" or "fallback"), the
-    chunks, tiles and ``reason``; ``plan(...).describe()`` prints it.
+    chunks, tiles and ``reason``; ``plan(...).describe()`` prints it. (Through the copy-engine
+    transport the call runs the blocked variant of this plan, ``api._blocked``: the same
+    chunk count and tiles, the row bands regrouped by rank block.)
 
     Args:
         x: ``[..., K]``. w: ``[K, N]``. collective, group, chunks: as in ``matmul_collective``.

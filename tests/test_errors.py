@@ -74,3 +74,18 @@ def test_world_size_one_is_the_plain_matmul(collective):
     ref = (x.double() @ w.double()).reshape(out.shape)
     assert got is out and not torch.isnan(got).any()
     torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_backend_choice_without_a_gpu():
+    """The copy-engine transport needs CUDA tensors: on CPU "auto" and "ce" take the group's
+    own collectives; the other backends pass through unchanged."""
+    from overlap.api import _resolve_backend
+    from overlap.plan import make_plan
+
+    x = torch.randn(128, 16)
+    p = make_plan(128, 64, 16, world_size=2, collective="reduce_scatter", dtype_bits=32,
+                  interpreter=True, chunks=2)  # fmt: skip
+    assert p.path == "overlap"
+    assert _resolve_backend("auto", p, x, None) == "torch"
+    assert _resolve_backend("ce", p, x, None) == "torch"
+    assert _resolve_backend("cupy", p, x, None) == "cupy"

@@ -89,24 +89,28 @@ def _suite(rank, R, seed, backend, chunks):
     return failures
 
 
-def _need_gpus(n):
-    if not torch.cuda.is_available() or torch.cuda.device_count() < n:
-        pytest.skip(f"needs {n} CUDA GPUs")
+def _on_two_gpus(monkeypatch, fn, *args, **env) -> None:
+    """Run ``fn(rank, 2, *args)`` on 2 GPUs over NCCL with the variables ``env`` set (skip
+    without 2 GPUs); Triton compiles for the GPU, not the interpreter."""
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    spawn(fn, 2, *args, backend="nccl")
 
 
 @pytest.mark.parametrize("p2p", ["nvlink", "no_p2p"])
 @pytest.mark.parametrize("backend", ["torch", "cupy", "ce"])
 def test_suite_two_gpus(p2p, backend, monkeypatch):
-    _need_gpus(2)
     if backend == "cupy":
         pytest.importorskip("cupy")
-    if p2p == "no_p2p":
-        monkeypatch.setenv("NCCL_P2P_DISABLE", "1")  # NCCL through host memory, like PCIe cards
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    # no_p2p: NCCL through host memory, like PCIe cards
+    env = {"NCCL_P2P_DISABLE": "1"} if p2p == "no_p2p" else {}
     if backend == "ce" and p2p == "no_p2p":
-        spawn(_ce_refused, 2, backend="nccl")  # "ce" needs P2P; "auto" takes NCCL
+        _on_two_gpus(monkeypatch, _ce_refused, **env)  # "ce" needs P2P; "auto" takes NCCL
     else:
-        spawn(_suite, 2, random.randrange(1 << 30), backend, 4, backend="nccl")
+        _on_two_gpus(monkeypatch, _suite, random.randrange(1 << 30), backend, 4, **env)
 
 
 def _ce_refused(rank, R):
@@ -156,18 +160,13 @@ def _ce_specifics(rank, R, seed):
 
 
 def test_copy_engine_transport(monkeypatch):
-    _need_gpus(2)
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    spawn(_ce_specifics, 2, random.randrange(1 << 30), backend="nccl")
+    _on_two_gpus(monkeypatch, _ce_specifics, random.randrange(1 << 30))
 
 
 @pytest.mark.parametrize("wait", ["spin", "stream_wait"])
 def test_wait_methods_and_many_chunks(wait, monkeypatch):
     """Both stream-wait implementations, with the most chunks the planner allows."""
-    _need_gpus(2)
-    monkeypatch.setenv("OVERLAP_WAIT", wait)
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    spawn(_repeat, 2, random.randrange(1 << 30), backend="nccl")
+    _on_two_gpus(monkeypatch, _repeat, random.randrange(1 << 30), OVERLAP_WAIT=wait)
 
 
 def _repeat(rank, R, seed):
@@ -244,9 +243,7 @@ def _streams_wrap_specials(rank, R, seed):
 
 
 def test_streams_wrap_and_specials(monkeypatch):
-    _need_gpus(2)
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    spawn(_streams_wrap_specials, 2, random.randrange(1 << 30), backend="nccl")
+    _on_two_gpus(monkeypatch, _streams_wrap_specials, random.randrange(1 << 30))
 
 
 @pytest.mark.parametrize(
@@ -255,11 +252,9 @@ def test_streams_wrap_and_specials(monkeypatch):
 def test_faults_raise_instead_of_hanging(scenario, monkeypatch):
     """The gloo scenarios of test_reliability.py on NCCL (validation mode's watch aborts the
     communicator when a peer died mid-call)."""
-    _need_gpus(2)
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
     # torch's watchdog would end the process after our abort; we want to see our error
-    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
-    spawn(fault_scenarios, 2, scenario, "cuda", backend="nccl")
+    env = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}
+    _on_two_gpus(monkeypatch, fault_scenarios, scenario, "cuda", **env)
 
 
 def _reference(coll: str, x: torch.Tensor, w: torch.Tensor, R: int) -> torch.Tensor:
@@ -330,11 +325,9 @@ def _graphs(rank, R, seed, backend):
 
 @pytest.mark.parametrize("backend", ["torch", "cupy", "auto"])  # auto: NCCL when captured,
 def test_cuda_graph_capture_and_replay(backend, monkeypatch):  # copy engines in eager calls
-    _need_gpus(2)
     if backend == "cupy":
         pytest.importorskip("cupy")
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    spawn(_graphs, 2, random.randrange(1 << 30), backend, backend="nccl")
+    _on_two_gpus(monkeypatch, _graphs, random.randrange(1 << 30), backend)
 
 
 def _grads(rank, R, seed):
@@ -352,6 +345,4 @@ def _grads(rank, R, seed):
 
 def test_backward_two_gpus(monkeypatch):
     """Autograd through the overlapped forward (and the planner's plain path for M = 128)."""
-    _need_gpus(2)
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    spawn(_grads, 2, random.randrange(1 << 30), backend="nccl")
+    _on_two_gpus(monkeypatch, _grads, random.randrange(1 << 30))

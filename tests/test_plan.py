@@ -71,6 +71,41 @@ def test_slots_tile_the_buffer_and_rows_are_a_permutation(p):
                 assert r * Mr <= got[0] and got[-1] < (r + 1) * Mr
 
 
+@settings(max_examples=300, deadline=None)
+@given(
+    st.sampled_from([2, 3, 4, 8]), st.sampled_from(COLLECTIVES), st.integers(1, 400),
+    st.integers(1, 300), st.integers(2, 16), st.sampled_from([16, 32, 64]),
+)  # fmt: skip
+def test_blocked_plans_cut_each_rank_block_into_equal_bands(R, collective, m, N, chunks, bm):
+    """The copy-engine transport's plans: the standard row layout, equal bands, each inside
+    one rank's block, the same number in every block, tiles counted per band."""
+    M = R * m
+    t = Tiles(bm, 16, 16, 4, 1)
+    p = make_plan(M, N, 8, world_size=R, collective=collective, dtype_bits=16, chunks=chunks,
+                  tiles=t, blocked=True)  # fmt: skip
+    assert p.path == "overlap" and p.blocked and p.runs == 1
+    b = p.bands_per_block
+    assert p.n_row_bands == R * b and p.n_chunks == R * b <= MAX_CHUNKS
+    assert p.run_rows * b == m and p.run_rows_last == p.run_rows
+    for c in range(p.n_chunks):
+        off, rows, cols, row0, col0 = p.chunk_slot(c)
+        assert (off, rows, cols, row0, col0) == (
+            c * p.run_rows * N,
+            p.run_rows,
+            N,
+            c * p.run_rows,
+            0,
+        )
+        assert row0 // m == (row0 + rows - 1) // m  # inside one rank's block
+    assert set(p.tiles_per_chunk) == {math.ceil(p.run_rows / bm) * math.ceil(N / 16)}
+    assert 8 % p.group_m == 0 and math.ceil(p.run_rows / bm) % p.group_m == 0
+    if collective == "all_reduce" and 2 * b <= chunks and m % (2 * b) == 0:
+        assert m // (2 * b) < 4 * bm  # halved as long as a band keeps 4 tile rows
+    with pytest.raises(ValueError, match="divisible"):
+        make_plan(M + 1, N, 8, world_size=R, collective="reduce_scatter", dtype_bits=16,
+                  chunks=chunks, tiles=t, blocked=True)  # fmt: skip
+
+
 def test_default_plans_for_the_bench_shapes():
     p = make_plan(4096, 8192, 4096, world_size=2, collective="all_reduce", dtype_bits=16)
     assert p.path == "overlap" and p.n_chunks == 4 and p.n_col_bands == 1

@@ -3,14 +3,14 @@
 # Usage on a 2-GPU machine: bash tools/gpu_run.sh [suite|bench|all|final|verify|sweep|probe]
 #   final: example, suite, main bench; verify: example, suite, decode/all-to-all/socket rows
 #   probe: soak, timelines, NCCL CTA limits, fp32 GEMM (after `suite`, in a second call)
-#   check: suite and soak; measure: example, suite, both benches, timelines
+#   check: suite and soak; measure (= ce_final): example, both benches, timelines, suite
 #   tune: both benches with overlap.tune choosing each row's plan (suite_tune: suite first)
 #   graphs: suite, then decode and one large shape timed as CUDA-graph replays
 #   nccl_env: NCCL protocol / channel settings on two large shapes (contention probe)
 #   host: host time per call (tools/host_profile.py); verify_host: example, suite, host
 #   benches: main bench (NVLink, no P2P) and the tuned bench on the large shapes
 #   ce: the copy-engine transport: its tests, the large shapes through it and through NCCL,
-#       and two timelines; ce_final: example, both benches, timelines, then the whole suite
+#       and two timelines
 set -u
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -43,6 +43,12 @@ run_suite() {  # [pytest -k expression]: one process per test, so a hang costs o
 run_example() {
   timeout 120 python3 examples/tp_linear.py 2>&1 | grep -v "^W1\|OMP_NUM\|^\*\*\*" | tee "$OUT/example.log"
 }
+run_timelines() {  # name-prefix [timeline.py args...]: all-reduce and reduce-scatter
+  local name=$1; shift
+  for c in all_reduce reduce_scatter; do
+    timeout 60 torchrun --nproc-per-node=2 tools/timeline.py --collective $c --out "$OUT/${name}_$c.json" "$@" 2>&1 | grep -v "^W1\|OMP_NUM\|^\*\*\*" | tail -2
+  done
+}
 big=4096x8192x4096,8192x8192x14336,16384x8192x4096,8192x4096x4096
 if [ "$what" = suite ] || [ "$what" = all ]; then
   run_suite
@@ -70,24 +76,13 @@ if [ "$what" = verify ]; then  # after GPU code changed: correctness first, then
 fi
 if [ "$what" = probe ]; then
   timeout 150 torchrun --nproc-per-node=2 tools/soak.py --seconds 75 --out "$OUT/soak.json" 2>&1 | grep -v "^W1\|OMP_NUM\|^\*\*\*" | tail -25
-  for c in all_reduce reduce_scatter; do
-    timeout 90 torchrun --nproc-per-node=2 tools/timeline.py --collective $c --out "$OUT/timeline_$c.json" 2>&1 | grep -v "^W1\|OMP_NUM\|^\*\*\*" | tail -5
-  done
+  run_timelines timeline
   run_bench ctas --collectives all_reduce,reduce_scatter --shapes 4096x8192x4096,16384x8192x4096 --max-ctas 0,4,8,16 --iters 10
   timeout 100 python3 tools/gemm_sweep.py "$OUT/gemm_fp32.json" --fp32 2>&1 | tail -8
 fi
 if [ "$what" = check ]; then
   run_suite
   timeout 170 torchrun --nproc-per-node=2 tools/soak.py --seconds 100 --out "$OUT/soak.json" 2>&1 | grep -v "^W1\|OMP_NUM\|^\*\*\*" | tail -25
-fi
-if [ "$what" = measure ]; then  # the numbers of BENCHMARKS.md, with correctness first
-  run_example
-  run_suite
-  run_bench nvlink --iters 20
-  NCCL_P2P_DISABLE=1 run_bench no_p2p --iters 20 --shapes $big
-  for c in all_reduce reduce_scatter; do
-    timeout 60 torchrun --nproc-per-node=2 tools/timeline.py --collective $c --out "$OUT/timeline_$c.json" 2>&1 | grep -v "^W1\|OMP_NUM\|^\*\*\*" | tail -3
-  done
 fi
 if [ "$what" = graphs ]; then
   run_suite
@@ -131,19 +126,15 @@ fi
 if [ "$what" = ce ]; then
   run_bench ce --shapes $big --iters 20 --backend ce
   run_bench torch --shapes $big --iters 20 --backend torch --collectives all_reduce,reduce_scatter
-  for c in all_reduce reduce_scatter; do
-    timeout 60 torchrun --nproc-per-node=2 tools/timeline.py --collective $c --backend ce --out "$OUT/timeline_ce_$c.json" 2>&1 | grep -v "^W1\|OMP_NUM\|^\*\*\*" | tail -3
-  done
+  run_timelines timeline_ce --backend ce
   run_suite "ce or auto or copy"
   run_suite "not (ce or auto or copy)"
 fi
-if [ "$what" = ce_final ]; then
+if [ "$what" = measure ] || [ "$what" = ce_final ]; then  # the numbers of BENCHMARKS.md
   run_example
   run_bench nvlink --iters 20
   NCCL_P2P_DISABLE=1 run_bench no_p2p --iters 20 --shapes $big
-  for c in all_reduce reduce_scatter; do
-    timeout 60 torchrun --nproc-per-node=2 tools/timeline.py --collective $c --out "$OUT/timeline_ce_$c.json" 2>&1 | grep -v "^W1\|OMP_NUM\|^\*\*\*" | tail -2
-  done
+  run_timelines timeline
   run_suite "ce or auto or copy"
   run_suite "not (ce or auto or copy)"
 fi

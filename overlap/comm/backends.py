@@ -8,7 +8,8 @@
   stream with no torch bookkeeping per call.
 
 Sum is the only reduction: ``op="avg"`` is folded into the GEMM as a ``1 / R`` scale.
-This file imports no Triton.
+This file imports no Triton. The copy-engine transport (``peer.py``) is not a communicator of
+this kind: it moves bands, and the GEMM's epilogue reduces.
 """
 
 from __future__ import annotations
