@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from . import guard, tuner
-from .comm import BACKENDS, PeerTransport, make_comm, peer_capable, run_chunks
+from .comm import BACKENDS, HostTransport, PeerTransport, make_comm, route, run_chunks
 from .plan import COLLECTIVES, OPS, Plan, make_plan
 from .signal import ChunkCounters, current_raw_stream, wait_counter
 
@@ -171,7 +171,9 @@ class _Context:
         own: its receive buffer and epochs belong to one stream of calls."""
         if backend == "ce":
             if self._peer is None:
-                self._peer = PeerTransport(self.group, self.device)
+                how = _routes[(self.group, str(self.device))]  # set by _resolve_backend
+                cls = PeerTransport if how == "peer" else HostTransport
+                self._peer = cls(self.group, self.device)
             return self._peer
         key = (self.group, str(self.device), backend)
         if key not in _comms:
@@ -187,7 +189,7 @@ class _Context:
 
 _contexts: dict[tuple, _Context] = {}
 _comms: dict[tuple, object] = {}
-_peer_ok: dict[tuple, bool] = {}  # (group, device): peer_capable's answer, asked once
+_routes: dict[tuple, str | None] = {}  # (group, device): comm.route's answer, asked once
 
 
 def _blocked(p: Plan) -> Plan:
@@ -201,22 +203,23 @@ def _blocked(p: Plan) -> Plan:
 
 def _resolve_backend(backend: str, p: Plan, x: torch.Tensor, group) -> str:
     """The backend an overlapped call uses. "auto" and "ce" take the copy-engine transport
-    where it runs: CUDA, every rank's GPU mapped by every other (asked once per group, a
-    collective), row-band chunks, ``M`` divisible by R, no CUDA-graph capture (its epochs are
-    host values). Elsewhere they take NCCL through torch; "ce" on a group without P2P
-    raises."""
+    where it runs: CUDA, all ranks on one host with stream memory operations (asked once per
+    group: ``comm.route``, a collective), row-band chunks, ``M`` divisible by R, no CUDA-graph
+    capture (its epochs are host values). It goes GPU to GPU where they map each other's
+    memory, else through pinned host memory. Elsewhere both take NCCL through torch; "ce" on a
+    group it cannot reach raises."""
     if backend not in ("auto", "ce"):
         return backend
     if not x.is_cuda or _capturing(x):
         return "torch"
     key = (group, str(x.device))
-    if key not in _peer_ok:
-        _peer_ok[key] = peer_capable(group, x.device)
-    if not _peer_ok[key]:
+    if key not in _routes:
+        _routes[key] = route(group, x.device)
+    if _routes[key] is None:
         if backend == "ce":
             raise ValueError(
-                "backend='ce' needs every rank's GPU to map every other's memory (one host, "
-                "P2P access, cuda-python, NCCL_P2P_DISABLE unset); use 'auto' or 'torch'"
+                "backend='ce' needs all ranks on one host and stream memory operations "
+                "(cuda-python); use 'auto' or 'torch'"
             )
         return "torch"
     if p.n_col_bands > 1 or p.M % p.world_size:
@@ -352,7 +355,8 @@ def _overlapped(x2, w, out2, p: Plan, scale, ctx: _Context, comm, trace=None) ->
         p = _blocked(p)
         fuse = peer.begin(p, dtype, out2)
     if in_place and (
-        p.collective == "all_reduce" or (peer is not None and p.collective == "all_to_all")
+        p.collective == "all_reduce"
+        or (peer is not None and peer.a2a_in_place and p.collective == "all_to_all")
     ):
         # row bands of the standard layout are already contiguous; through copy engines the
         # peers' blocks of `out` are scratch until their own data arrives

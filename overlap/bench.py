@@ -189,7 +189,7 @@ def bench_one(
     row["peak_mb_overlap"] = _peak_mb(ovl)  # torch's allocator: not the symmetric memory
     if row["transport"] == "ce":  # the copy-engine transport's buffer, kept between calls
         peer = _context(ovl_group, dev)._peer
-        row["transport_buffer_mb"] = peer.buf.numel() / 2**20 if peer is not None else None
+        row["transport_buffer_mb"] = peer.nbytes / 2**20 if peer is not None else None
     limit = max(row["gemm_cublas"], row["comm"])
     row["speedup"] = row["sequential"] / row["overlap"]
     hideable = row["sequential"] - limit

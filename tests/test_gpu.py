@@ -105,38 +105,20 @@ def _on_two_gpus(monkeypatch, fn, *args, **env) -> None:
 def test_suite_two_gpus(p2p, backend, monkeypatch):
     if backend == "cupy":
         pytest.importorskip("cupy")
-    # no_p2p: NCCL through host memory, like PCIe cards
+    # no_p2p: NCCL, and the copy-engine transport, through host memory, like PCIe cards
     env = {"NCCL_P2P_DISABLE": "1"} if p2p == "no_p2p" else {}
-    if backend == "ce" and p2p == "no_p2p":
-        _on_two_gpus(monkeypatch, _ce_refused, **env)  # "ce" needs P2P; "auto" takes NCCL
-    else:
-        _on_two_gpus(monkeypatch, _suite, random.randrange(1 << 30), backend, 4, **env)
+    _on_two_gpus(monkeypatch, _suite, random.randrange(1 << 30), backend, 4, **env)
 
 
-def _ce_refused(rank, R):
+def _ce_specifics(rank, R, seed, want_route):
+    """The copy-engine transport: which plans take it and by which road (``want_route``),
+    its buffers growing and shrinking back between calls of one stream (epochs continue),
+    and "ce" refused on a group it cannot reach (no stream memory operations)."""
+    import torch.distributed as dist
+
     import overlap
-    from overlap.api import _resolve_backend
-
-    dev = torch.device(f"cuda:{rank}")
-    x = torch.randn(2048, 1024, device=dev, dtype=torch.bfloat16)
-    w = torch.randn(1024, 2048, device=dev, dtype=torch.bfloat16)
-    p = overlap.plan(x, w, "reduce_scatter", chunks=4)
-    failures = []
-    if _resolve_backend("auto", p, x, None) != "torch":
-        failures.append("auto did not fall back to NCCL without P2P")
-    try:
-        overlap.matmul_collective(x, w, "reduce_scatter", chunks=4, backend="ce")
-        failures.append("backend='ce' without P2P raised nothing")
-    except ValueError as e:
-        failures += [] if "P2P" in str(e) else [f"unclear error: {e}"]
-    return failures
-
-
-def _ce_specifics(rank, R, seed):
-    """The copy-engine transport: which plans take it, and its receive buffer growing and
-    shrinking back between calls of one stream (epochs continue across buffers)."""
-    import overlap
-    from overlap.api import _resolve_backend
+    from overlap.api import _context, _resolve_backend, _routes
+    from overlap.signal import wait as signal_wait
 
     dev = torch.device(f"cuda:{rank}")
     failures = []
@@ -150,17 +132,37 @@ def _ce_specifics(rank, R, seed):
             got = _resolve_backend("auto", overlap.plan(x, w, coll, chunks=chunks), x, None)
             if got != want:
                 failures.append(f"{coll} {M}x{N}x{K} chunks={chunks}: auto took {got}, not {want}")
+    if _routes[(None, str(dev))] != want_route:
+        failures.append(f"route {_routes[(None, str(dev))]}, expected {want_route}")
     shapes = [(512, 256, 512), (4096, 1024, 4096), (1000, 1000, 3000), (512, 256, 512)]
     for i, shape in enumerate(shapes * 2):
         coll = COLLECTIVES[i % 3]
         dtype = (torch.bfloat16, torch.float16, torch.float32)[i % 3]
         msg = check_case(rank, R, str(dev), coll, dtype, shape, seed + i, backend="ce", chunks=4)
         failures += [msg] if msg else []
+    kind = type(_context(None, dev)._peer).__name__
+    if kind != {"peer": "PeerTransport", "host": "HostTransport"}[want_route]:
+        failures.append(f"the calls went through {kind}")
+    signal_wait._method = "spin"  # as without cuda-python: a new group gets no route
+    group = dist.new_group([0, 1])
+    x = torch.randn(2048, 1024, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(1024, 2048, device=dev, dtype=torch.bfloat16)
+    p = overlap.plan(x, w, "reduce_scatter", chunks=4, group=group)
+    if _resolve_backend("auto", p, x, group) != "torch":
+        failures.append("auto did not fall back to NCCL without a route")
+    try:
+        overlap.matmul_collective(x, w, "reduce_scatter", chunks=4, backend="ce", group=group)
+        failures.append("backend='ce' without a route raised nothing")
+    except ValueError as e:
+        failures += [] if "one host" in str(e) else [f"unclear error: {e}"]
     return failures
 
 
-def test_copy_engine_transport(monkeypatch):
-    _on_two_gpus(monkeypatch, _ce_specifics, random.randrange(1 << 30))
+@pytest.mark.parametrize("p2p", ["nvlink", "no_p2p"])
+def test_copy_engine_transport(p2p, monkeypatch):
+    env = {"NCCL_P2P_DISABLE": "1"} if p2p == "no_p2p" else {}
+    route = "peer" if p2p == "nvlink" else "host"
+    _on_two_gpus(monkeypatch, _ce_specifics, random.randrange(1 << 30), route, **env)
 
 
 @pytest.mark.parametrize("wait", ["spin", "stream_wait"])

@@ -9,6 +9,8 @@
 #   nccl_env: NCCL protocol / channel settings on two large shapes (contention probe)
 #   host: host time per call (tools/host_profile.py); verify_host: example, suite, host
 #   benches: main bench (NVLink, no P2P) and the tuned bench on the large shapes
+#   check_final: three GPU tests, one bench shape, NCCL_SHM_USE_CUDA_MEMCPY=1 without P2P
+#   host_final: the copy-engine transport through host memory (no P2P): tests, bench
 #   ce: the copy-engine transport: its tests, the large shapes through it and through NCCL,
 #       and two timelines
 set -u
@@ -25,7 +27,7 @@ what=${1:-all}
 cat "$OUT/env.txt"
 run_bench() {  # mode-name extra-args...
   local name=$1; shift
-  timeout 240 torchrun --nproc-per-node=2 -m overlap.bench --out "$OUT/bench_$name.json" "$@" \
+  timeout ${BENCH_TIMEOUT:-240} torchrun --nproc-per-node=2 -m overlap.bench --out "$OUT/bench_$name.json" "$@" \
     2>&1 | grep -v "^W1\|OMP_NUM_THREADS\|^\*\*\*"  # the JSON holds every number
 }
 run_suite() {  # [pytest -k expression]: one process per test, so a hang costs one test's timeout
@@ -137,4 +139,14 @@ if [ "$what" = measure ] || [ "$what" = ce_final ]; then  # the numbers of BENCH
   run_timelines timeline
   run_suite "ce or auto or copy"
   run_suite "not (ce or auto or copy)"
+fi
+if [ "$what" = check_final ]; then  # after test-harness changes: a few tests, one bench shape, an NCCL knob
+  run_suite "copy_engine or backward or (graph and auto)"
+  run_bench one --shapes 4096x8192x4096 --iters 10
+  NCCL_P2P_DISABLE=1 NCCL_SHM_USE_CUDA_MEMCPY=1 run_bench shm_cudamemcpy --shapes 4096x8192x4096,8192x8192x14336 --collectives all_reduce,reduce_scatter --iters 10
+fi
+if [ "$what" = host_final ]; then
+  run_suite "copy_engine_transport"
+  NCCL_P2P_DISABLE=1 BENCH_TIMEOUT=100 run_bench no_p2p --shapes $big --iters 10
+  run_suite "suite_two_gpus and ce and no_p2p"
 fi

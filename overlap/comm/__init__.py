@@ -2,14 +2,16 @@
 
 from .backends import BACKENDS, CupyComm, TorchComm, make_comm
 from .chunks import run_chunks
-from .peer import PeerTransport, peer_capable
+from .host import HostTransport
+from .peer import PeerTransport, route
 
 __all__ = [
     "BACKENDS",
     "CupyComm",
+    "HostTransport",
     "PeerTransport",
     "TorchComm",
     "make_comm",
-    "peer_capable",
+    "route",
     "run_chunks",
 ]

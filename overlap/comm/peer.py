@@ -37,8 +37,9 @@ slots). Nothing on the communication stream needs an SM: the kernel's waiting ti
 otherwise hold every SM while the push they wait for queued behind a kernel.
 
 Needs: CUDA, torch symmetric memory, cuda-python, P2P access between all ranks' GPUs
-(``peer_capable``). Column-band plans and CUDA-graph capture (epochs are host values) use
-NCCL instead (``overlap.api._resolve_backend``).
+(``route``; ranks of one host without P2P go through host memory instead, ``host.py``).
+Column-band plans and CUDA-graph capture (epochs are host values) use NCCL
+(``overlap.api._resolve_backend``).
 """
 
 from __future__ import annotations
@@ -58,39 +59,42 @@ _FLAGS_BYTES = 4096  # flags region at the start of the buffer (2 * R int32 flag
 _ALIGN = 2 << 20
 
 
-def peer_capable(group: dist.ProcessGroup | None, device: torch.device) -> bool:
-    """Whether every rank of ``group`` can map every other rank's GPU memory: one host, P2P
-    access between all the GPUs, stream memory operations (cuda-python), and NCCL's P2P not
-    disabled by the user (``NCCL_P2P_DISABLE=1`` is read as "no P2P here"). A collective: every
-    rank gets the same answer."""
-    ok = (
-        device.type == "cuda"
-        and os.environ.get("NCCL_P2P_DISABLE", "0") != "1"
-        and method() == "stream_wait"
-    )
-    uuid = str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else ""
-    mine = (socket.gethostname(), uuid, ok)
+def route(group: dist.ProcessGroup | None, device: torch.device) -> str | None:
+    """How the copy-engine transport can reach every rank of ``group`` from ``device``:
+    ``"peer"`` (one host, P2P access between all the GPUs, and NCCL's P2P not disabled by the
+    user: ``NCCL_P2P_DISABLE=1`` is read as "no P2P here"), ``"host"`` (one host without
+    that: through pinned shared host memory, ``host.py``) or None (several hosts, no CUDA,
+    or no stream memory operations). A collective: every rank gets the same answer."""
+    usable = device.type == "cuda" and method() == "stream_wait"
+    uuid = str(torch.cuda.get_device_properties(device).uuid) if usable else ""
     everyone: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
-    if not all(o for _, _, o in everyone) or len({h for h, _, _ in everyone}) != 1:
-        return False
+    dist.all_gather_object(everyone, (socket.gethostname(), uuid, usable), group=group)
+    if not all(u for _, _, u in everyone) or len({h for h, _, _ in everyone}) != 1:
+        return None
     visible = {
         str(torch.cuda.get_device_properties(i).uuid): i for i in range(torch.cuda.device_count())
     }
     local = [visible.get(u) for _, u, _ in everyone]
     me = device.index if device.index is not None else torch.cuda.current_device()
-    able = all(
+    able = os.environ.get("NCCL_P2P_DISABLE", "0") != "1" and all(
         i is not None and (i == me or torch.cuda.can_device_access_peer(me, i)) for i in local
     )
     verdicts: list = [None] * len(everyone)
     dist.all_gather_object(verdicts, able, group=group)
-    return all(verdicts)
+    return "peer" if all(verdicts) else "host"
 
 
 def _check(err, what: str) -> None:
     drv = _driver()
     if err != drv.CUresult.CUDA_SUCCESS:
         raise RuntimeError(f"{what} failed: {err}")
+
+
+def slot_bytes(p: Plan, dtype: torch.dtype) -> int:
+    """Bytes of the slots one rank receives into: ``[R, B, N]`` receive slots, and as many
+    gather slots for all-reduce."""
+    regions = 2 if p.collective == "all_reduce" else 1
+    return regions * p.M * p.N * (torch.finfo(dtype).bits // 8)
 
 
 # int32 flags at the start of every buffer: READY[src] at src, then ARRIVED[src][band] at
@@ -102,6 +106,7 @@ class PeerTransport:
     stream), since the buffer and the epoch belong to one stream of calls."""
 
     name = "ce"
+    a2a_in_place = True  # all-to-all may use `out`'s peer blocks as scratch (run's order)
 
     def __init__(self, group: dist.ProcessGroup | None, device: torch.device) -> None:
         self.group, self.device = group, device
@@ -112,10 +117,6 @@ class PeerTransport:
         self.ptrs: list[int] = []  # every rank's buffer, mapped here
 
     # -- buffer ------------------------------------------------------------------------------
-    def _regions(self, p: Plan) -> int:
-        """Slot regions of ``[R, B, N]`` a plan needs: receive, and gather for all-reduce."""
-        return 2 if p.collective == "all_reduce" else 1
-
     def _ensure(self, nbytes: int) -> None:
         """A buffer of at least ``nbytes`` of data on every rank (a collective when it grows)."""
         if self.buf is not None and self.buf.numel() >= _FLAGS_BYTES + nbytes:
@@ -139,6 +140,11 @@ class PeerTransport:
         self.buf, self.handle = buf, handle
         self.ptrs = [int(a) for a in handle.buffer_ptrs]
 
+    @property
+    def nbytes(self) -> int:
+        """Memory this transport holds (the symmetric buffer on this GPU)."""
+        return self.buf.numel() if self.buf is not None else 0
+
     def _flag(self, rank: int, index: int) -> int:
         """Address (mapped here) of int32 flag ``index`` on ``rank``."""
         return self.ptrs[rank] + 4 * index
@@ -151,8 +157,14 @@ class PeerTransport:
         return self.buf[start : start + n * es].view(dtype).view(p.world_size, -1, p.N)
 
     # -- one call ----------------------------------------------------------------------------
+    def _prepare(self, p: Plan, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Buffers sized for ``p``; returns what the kernel reads: this rank's receive slots
+        ``[R, B, N]`` and its ARRIVED flags."""
+        self._ensure(slot_bytes(p, dtype))
+        return self.slots(p, dtype), self.buf[:_FLAGS_BYTES].view(torch.int32)[self.size :]
+
     def begin(self, p: Plan, dtype: torch.dtype, out2: torch.Tensor):
-        """Before the GEMM launches (on the host): size the buffer, open the next epoch, and
+        """Before the GEMM launches (on the host): size the buffers, open the next epoch, and
         return the kernel's ``gemm.Fuse`` for the blocked plan ``p``."""
         from ..gemm import Fuse  # Triton: only where the GEMM runs
 
@@ -163,19 +175,21 @@ class PeerTransport:
             )
         if self.size * (1 + 2 * p.bands_per_block) > _FLAGS_BYTES // 4:
             raise ValueError(f"too many ranks ({self.size}) for the transport's flags")
-        es = torch.finfo(dtype).bits // 8
-        self._ensure(self._regions(p) * p.M * p.N * es)
+        recv, flags = self._prepare(p, dtype)
         self.epoch += 1
-        flags = self.buf[:_FLAGS_BYTES].view(torch.int32)[self.size :]  # ARRIVED
-        add = p.collective != "all_to_all"
-        return Fuse(out2, self.slots(p, dtype), flags, self.epoch, self.rank, add)
+        return Fuse(out2, recv, flags, self.epoch, self.rank, p.collective != "all_to_all")
+
+    def _write_at(self, stream: int, addr: int) -> None:
+        """Write this call's epoch into the int32 at ``addr`` (stream-ordered, after a fence
+        over the stream's earlier work)."""
+        drv = _driver()
+        ptr = drv.CUdeviceptr(addr)
+        (err,) = drv.cuStreamWriteValue32(drv.CUstream(stream), ptr, self.epoch & _MASK, 0)
+        _check(err, "cuStreamWriteValue32")
 
     def _write(self, stream: int, rank: int, index: int) -> None:
-        """Write this call's epoch into int32 flag ``index`` of ``rank`` (stream-ordered)."""
-        drv = _driver()
-        addr = drv.CUdeviceptr(self._flag(rank, index))
-        (err,) = drv.cuStreamWriteValue32(drv.CUstream(stream), addr, self.epoch & _MASK, 0)
-        _check(err, "cuStreamWriteValue32 to a peer")
+        """Write this call's epoch into int32 flag ``index`` of ``rank``."""
+        self._write_at(stream, self._flag(rank, index))
 
     def _wait(self, stream: int, index: int) -> None:
         """Order the rest of ``stream`` after this rank's flag ``index`` holds this epoch."""
@@ -239,14 +253,16 @@ class PeerTransport:
                     self._wait(stream, flag0 + s * b + k)
                     self._copy(cu, block(s, k), slot(r, region, s, k), band)
 
+    def _local_flags(self) -> list[int]:
+        """Addresses of every flag this rank waits on (``abort``)."""
+        return [self._flag(self.rank, i) for i in range(_FLAGS_BYTES // 4)] if self.ptrs else []
+
     def abort(self) -> None:
         """Release this rank's waits on its peers (validation mode's timeout): every local
         flag is set to the current epoch by stream memory writes on a side stream (no SM: a
         GEMM waiting in its epilogue may hold them all); the transport refuses later calls."""
         self.broken = True
-        if self.buf is None:
-            return
         side = torch.cuda.Stream(self.device)
-        for i in range(_FLAGS_BYTES // 4):
-            self._write(side.cuda_stream, self.rank, i)
+        for addr in self._local_flags():
+            self._write_at(side.cuda_stream, addr)
         side.synchronize()
