@@ -60,14 +60,9 @@ class HostTransport(PeerTransport):
         host = self.mapping[3] if self.mapping is not None else 0
         return host + (self.recv.numel() if self.recv is not None else 0)
 
-    def _flag(self, rank: int, index: int) -> int:
-        """Device address of int32 flag ``index`` in ``rank``'s region of the host buffer."""
-        return self.base + rank * self.region + 4 * index
-
-    def _slot(self, rank: int, region: int, s: int, row: int, p: Plan, es: int) -> int:
-        """Device address of row ``row`` of slot ``s`` in ``rank``'s host region."""
-        row += region * p.M + s * (p.M // self.size)
-        return self.base + rank * self.region + _FLAGS_BYTES + row * p.N * es
+    def kernel_flag(self, index: int) -> int:
+        """The kernel's ARRIVED flags are in device memory here (``dflags``)."""
+        return self.dflags.data_ptr() + 4 * (self.size + index)
 
     def _ensure(self, nbytes: int) -> None:
         """A shared host buffer with ``nbytes`` of slots per rank (a collective when it grows)."""
@@ -103,7 +98,8 @@ class HostTransport(PeerTransport):
             os.unlink(path[0])  # the mappings keep the memory
         self._release()
         self.mapping, self.region, self.base = (mm, view, host, size), region, int(dev)
-        self.ptrs = [self.base + d * region for d in range(self.size)]  # marks "set up"
+        # every rank's region, as PeerTransport's buffers: _flag and _slot work unchanged
+        self.ptrs = [self.base + d * region for d in range(self.size)]
 
     def _release(self) -> None:
         if self.mapping is not None:
@@ -124,55 +120,20 @@ class HostTransport(PeerTransport):
         return slots, self.dflags[self.size :]
 
     def run(self, p: Plan, p_flat: torch.Tensor, out2: torch.Tensor, wait, stream: int) -> None:
-        """Sends on ``stream`` (READY, then each band after ``wait(c)``: to the host, then its
-        flag), receives on the second stream (each band after its flag: to the device slot and
-        the kernel's flag, or into ``out2``); ``stream`` then waits for the second."""
-        R, r, N, b = self.size, self.rank, p.N, p.bands_per_block
-        B, rows, n_bands = p.M // R, p.run_rows, p.n_row_bands
-        es = p_flat.element_size()
-        band = rows * N * es
-        drv = _driver()
-        cu = drv.CUstream(stream)
+        """Sends on ``stream`` (``_send``); receives on a second stream, so that both
+        directions of the PCIe link work at once: each band of this rank's block after its
+        flag in host memory, into the device receive slot and the kernel's flag (reduce-scatter,
+        all-reduce) or into ``out2`` (all-to-all); all-reduce's gathered bands into ``out2``.
+        ``stream`` then waits for the second stream."""
         rs = self.recv_stream
         rs.wait_stream(torch.cuda.current_stream(self.device))
-        cur = drv.CUstream(rs.cuda_stream)
-        peers = [(r + k) % R for k in range(1, R)]
-
-        def block(s: int, k: int) -> int:  # band k of out2's block s
-            return out2.data_ptr() + (s * B + k * rows) * N * es
-
-        for d in peers:
-            self._write(stream, d, r)  # READY: this rank's region may be written
-        for s in peers:
-            self._wait(stream, s)
-        for c in range(n_bands):
-            a = (c + (r + 1) % R * b) % n_bands  # the band launched c-th (gemm.Fuse)
-            d, k = divmod(a, b)
-            if d != r:
-                wait(c)
-                src = p_flat.data_ptr() + a * band
-                self._copy(cu, self._slot(d, 0, r, k * rows, p, es), src, band)
-                self._write(stream, d, R + r * b + k)
-            elif p.collective == "all_reduce":
-                wait(c)
-                for q in peers:
-                    self._copy(cu, self._slot(q, 1, r, k * rows, p, es), block(r, k), band)
-                    self._write(stream, q, R + R * b + r * b + k)
-        recv = self.recv.data_ptr()
-        for k in range(b):  # this rank's block, in the order the peers send it
-            for s in peers:
-                self._wait(rs.cuda_stream, R + s * b + k)
-                src = self._slot(r, 0, s, k * rows, p, es)
-                if p.collective == "all_to_all":
-                    self._copy(cur, block(s, k), src, band)
-                else:
-                    self._copy(cur, recv + (s * B + k * rows) * N * es, src, band)
-                    self._write_at(rs.cuda_stream, self.dflags.data_ptr() + 4 * (R + s * b + k))
+        self._send(p, p_flat, out2, wait, stream, None)
+        into = self.recv.data_ptr() if p.collective != "all_to_all" else 0
+        for k in range(p.bands_per_block):
+            self._receive(p, out2, k, rs.cuda_stream, into)
         if p.collective == "all_reduce":
-            for k in range(b):
-                for s in peers:
-                    self._wait(rs.cuda_stream, R + R * b + s * b + k)
-                    self._copy(cur, block(s, k), self._slot(r, 1, s, k * rows, p, es), band)
+            for k in range(p.bands_per_block):
+                self._receive(p, out2, k, rs.cuda_stream)
         torch.cuda.current_stream(self.device).wait_stream(rs)
 
     def _local_flags(self) -> list[int]:

@@ -55,7 +55,7 @@ from ..plan import Plan
 from ..signal.counters import _MASK
 from ..signal.wait import _driver, method
 
-_FLAGS_BYTES = 4096  # flags region at the start of the buffer (2 * R int32 flags)
+_FLAGS_BYTES = 4096  # flags at the start of every buffer: R * (1 + 2 b) int32 (begin checks)
 _ALIGN = 2 << 20
 
 
@@ -205,53 +205,74 @@ class PeerTransport:
         (err,) = drv.cuMemcpyAsync(drv.CUdeviceptr(dst), drv.CUdeviceptr(src), n, cu_stream)
         _check(err, "cuMemcpyAsync")
 
-    def run(self, p: Plan, p_flat: torch.Tensor, out2: torch.Tensor, wait, stream: int) -> None:
-        """On ``stream`` (the communication stream), in the order the kernel launches bands:
-        READY to every peer and wait for theirs; then per band ``a`` (block ``d``, band ``k``
-        in it), after ``wait(c)``:
+    def _slot(self, rank: int, region: int, s: int, k: int, p: Plan, es: int) -> int:
+        """Address (mapped here) of band ``k`` of slot ``s`` in ``rank``'s slot region
+        ``region`` (0 receive, 1 gather), each ``[R, B, N]``."""
+        row = region * p.M + s * (p.M // self.size) + k * p.run_rows
+        return self.ptrs[rank] + _FLAGS_BYTES + row * p.N * es
 
-        - ``d != r``: push it into rank d's receive slot r, set ARRIVED[r][k] there;
-        - ``d == r``, all-reduce: push the reduced band from ``out2`` into every peer's gather
-          slot r and set GATHERED[r][k] there; then, per peer s, once GATHERED[s][k] is set
-          here, copy its band from gather slot s into ``out2``'s block s;
-        - ``d == r``, all-to-all: per peer s, once ARRIVED[s][k] is set here, copy receive
-          slot s's band into ``out2``'s block s (the kernel stored this rank's block).
-
-        Every copy is a copy engine's; the caller waits for ``stream`` and is then done."""
-        R, r, N, b = self.size, self.rank, p.N, p.bands_per_block
-        B, rows, n_bands = p.M // R, p.run_rows, p.n_row_bands
-        es = p_flat.element_size()
-        band = rows * N * es  # bytes
+    def _receive(self, p: Plan, out2: torch.Tensor, k: int, stream: int, into_recv: int = 0):
+        """Band ``k`` of this rank's block from every peer, on ``stream``, once its flag is
+        here: into ``out2``'s block s (all-to-all: the receive slot; all-reduce with
+        ``into_recv`` 0: the gather slot), or (``into_recv``, a device address of receive
+        slots) into the device receive slot, then the kernel's flag at ``into_recv``'s
+        ``flags`` (``HostTransport``)."""
+        R, r, b, es = self.size, self.rank, p.bands_per_block, out2.element_size()
+        band, B = p.run_rows * p.N * es, p.M // R
         cu = _driver().CUstream(stream)
-        peers = [(r + k) % R for k in range(1, R)]
+        for s in ((r + j) % R for j in range(1, R)):
+            gathered = p.collective == "all_reduce" and not into_recv
+            self._wait(stream, R + (R * b if gathered else 0) + s * b + k)
+            src = self._slot(r, 1 if gathered else 0, s, k, p, es)
+            if into_recv:
+                self._copy(cu, into_recv + (s * B + k * p.run_rows) * p.N * es, src, band)
+                self._write_at(stream, self.kernel_flag(s * b + k))
+            else:
+                self._copy(cu, out2.data_ptr() + (s * B + k * p.run_rows) * p.N * es, src, band)
 
-        def slot(rank: int, region: int, s: int, k: int) -> int:  # band k of slot s on rank
-            return self.ptrs[rank] + _FLAGS_BYTES + ((region * R + s) * B + k * rows) * N * es
-
-        def block(s: int, k: int) -> int:  # band k of out2's block s
-            return out2.data_ptr() + (s * B + k * rows) * N * es
-
+    def _send(self, p: Plan, p_flat: torch.Tensor, out2: torch.Tensor, wait, stream: int, own):
+        """On ``stream``: READY to every peer and wait for theirs; then per band ``a`` in the
+        order the kernel launches them (block ``d``, band ``k`` in it), after ``wait(c)``:
+        ``d != r``: push it into rank d's receive slot r and set ARRIVED[r][k] there;
+        ``d == r``, all-reduce: push the reduced band from ``out2`` into every peer's gather
+        slot r and set GATHERED[r][k] there; then ``own(k)`` if given."""
+        R, r, b, es = self.size, self.rank, p.bands_per_block, p_flat.element_size()
+        band = p.run_rows * p.N * es  # bytes
+        cu = _driver().CUstream(stream)
+        peers = [(r + j) % R for j in range(1, R)]
         for d in peers:
             self._write(stream, d, r)  # READY: this rank's buffer may be written
         for s in peers:
             self._wait(stream, s)
-        for c in range(n_bands):
-            a = (c + (r + 1) % R * b) % n_bands  # the band launched c-th (gemm.Fuse)
+        for c in range(p.n_row_bands):
+            a = (c + (r + 1) % R * b) % p.n_row_bands  # the band launched c-th (gemm.Fuse)
             d, k = divmod(a, b)
             if d != r:
                 wait(c)
-                self._copy(cu, slot(d, 0, r, k), p_flat.data_ptr() + a * band, band)
+                self._copy(cu, self._slot(d, 0, r, k, p, es), p_flat.data_ptr() + a * band, band)
                 self._write(stream, d, R + r * b + k)
-            elif p.collective != "reduce_scatter":
-                region, flag0 = (1, R + R * b) if p.collective == "all_reduce" else (0, R)
-                if p.collective == "all_reduce":
-                    wait(c)
-                    for q in peers:
-                        self._copy(cu, slot(q, 1, r, k), block(r, k), band)
-                        self._write(stream, q, flag0 + r * b + k)
-                for s in peers:
-                    self._wait(stream, flag0 + s * b + k)
-                    self._copy(cu, block(s, k), slot(r, region, s, k), band)
+                continue
+            if p.collective == "all_reduce":
+                wait(c)
+                for q in peers:
+                    self._copy(cu, self._slot(q, 1, r, k, p, es), out2.data_ptr() + a * band, band)
+                    self._write(stream, q, R + R * b + r * b + k)
+            if own is not None:
+                own(k)
+
+    def run(self, p: Plan, p_flat: torch.Tensor, out2: torch.Tensor, wait, stream: int) -> None:
+        """All of it on ``stream`` (the communication stream): ``_send``, and after each own
+        band (all-reduce, all-to-all) the peers' bands of it copied into ``out2`` as their
+        flags arrive (``_receive``). Reduce-scatter receives nothing here: the kernel reads
+        the receive slots. Every copy is a copy engine's; the caller waits for ``stream``."""
+        own = None
+        if p.collective != "reduce_scatter":
+            own = lambda k: self._receive(p, out2, k, stream)  # noqa: E731
+        self._send(p, p_flat, out2, wait, stream, own)
+
+    def kernel_flag(self, index: int) -> int:
+        """Address of the kernel's ARRIVED flag ``index`` (``s * b + k``) on this rank."""
+        return self._flag(self.rank, self.size + index)
 
     def _local_flags(self) -> list[int]:
         """Addresses of every flag this rank waits on (``abort``)."""
