@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from ..plan import Plan
 from ..signal.wait import _driver
-from .peer import _FLAGS_BYTES, PeerTransport, _check, slot_bytes
+from .peer import _FLAGS_BYTES, PeerTransport, _check, receive_slots, slot_bytes
 
 _DEVICEMAP_PORTABLE = 0x02 | 0x01  # CU_MEMHOSTREGISTER_DEVICEMAP | _PORTABLE
 
@@ -111,13 +111,11 @@ class HostTransport(PeerTransport):
 
     def _prepare(self, p: Plan, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         self._ensure(slot_bytes(p, dtype))
-        es = torch.finfo(dtype).bits // 8
-        n = p.M * p.N * es  # receive slots only: gathered bands go straight into `out`
+        n = p.M * p.N * dtype.itemsize  # receive slots only: gathered bands go into `out`
         if self.recv is None or self.recv.numel() < n:
             torch.cuda.synchronize(self.device)  # the old slots may still be read or written
             self.recv = torch.empty(n, dtype=torch.uint8, device=self.device)
-        slots = self.recv[: p.M * p.N * es].view(dtype).view(self.size, -1, p.N)
-        return slots, self.dflags[self.size :]
+        return receive_slots(self.recv, p, dtype), self.dflags[self.size :]
 
     def run(self, p: Plan, p_flat: torch.Tensor, out2: torch.Tensor, wait, stream: int) -> None:
         """Sends on ``stream`` (``_send``); receives on a second stream, so that both

@@ -94,7 +94,12 @@ def slot_bytes(p: Plan, dtype: torch.dtype) -> int:
     """Bytes of the slots one rank receives into: ``[R, B, N]`` receive slots, and as many
     gather slots for all-reduce."""
     regions = 2 if p.collective == "all_reduce" else 1
-    return regions * p.M * p.N * (torch.finfo(dtype).bits // 8)
+    return regions * p.M * p.N * dtype.itemsize
+
+
+def receive_slots(buf: torch.Tensor, p: Plan, dtype: torch.dtype) -> torch.Tensor:
+    """The receive slots ``[R, B, N]`` at the start of the uint8 tensor ``buf``."""
+    return buf[: p.M * p.N * dtype.itemsize].view(dtype).view(p.world_size, -1, p.N)
 
 
 # int32 flags at the start of every buffer: READY[src] at src, then ARRIVED[src][band] at
@@ -149,19 +154,13 @@ class PeerTransport:
         """Address (mapped here) of int32 flag ``index`` on ``rank``."""
         return self.ptrs[rank] + 4 * index
 
-    def slots(self, p: Plan, dtype: torch.dtype, region: int = 0) -> torch.Tensor:
-        """This rank's receive (``region`` 0) or gather (1) slots, ``[R, B, N]``."""
-        n = p.M * p.N  # R slots of B rows
-        es = torch.finfo(dtype).bits // 8
-        start = _FLAGS_BYTES + region * n * es
-        return self.buf[start : start + n * es].view(dtype).view(p.world_size, -1, p.N)
-
     # -- one call ----------------------------------------------------------------------------
     def _prepare(self, p: Plan, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Buffers sized for ``p``; returns what the kernel reads: this rank's receive slots
         ``[R, B, N]`` and its ARRIVED flags."""
         self._ensure(slot_bytes(p, dtype))
-        return self.slots(p, dtype), self.buf[:_FLAGS_BYTES].view(torch.int32)[self.size :]
+        flags = self.buf[:_FLAGS_BYTES].view(torch.int32)[self.size :]
+        return receive_slots(self.buf[_FLAGS_BYTES:], p, dtype), flags
 
     def begin(self, p: Plan, dtype: torch.dtype, out2: torch.Tensor):
         """Before the GEMM launches (on the host): size the buffers, open the next epoch, and
@@ -220,15 +219,14 @@ class PeerTransport:
         R, r, b, es = self.size, self.rank, p.bands_per_block, out2.element_size()
         band, B = p.run_rows * p.N * es, p.M // R
         cu = _driver().CUstream(stream)
+        region = 1 if p.collective == "all_reduce" and not into_recv else 0  # gather slots
+        dst0 = into_recv or out2.data_ptr()
         for s in ((r + j) % R for j in range(1, R)):
-            gathered = p.collective == "all_reduce" and not into_recv
-            self._wait(stream, R + (R * b if gathered else 0) + s * b + k)
-            src = self._slot(r, 1 if gathered else 0, s, k, p, es)
+            self._wait(stream, R + region * R * b + s * b + k)  # ARRIVED or GATHERED
+            dst = dst0 + (s * B + k * p.run_rows) * p.N * es
+            self._copy(cu, dst, self._slot(r, region, s, k, p, es), band)
             if into_recv:
-                self._copy(cu, into_recv + (s * B + k * p.run_rows) * p.N * es, src, band)
                 self._write_at(stream, self.kernel_flag(s * b + k))
-            else:
-                self._copy(cu, out2.data_ptr() + (s * B + k * p.run_rows) * p.N * es, src, band)
 
     def _send(self, p: Plan, p_flat: torch.Tensor, out2: torch.Tensor, wait, stream: int, own):
         """On ``stream``: READY to every peer and wait for theirs; then per band ``a`` in the
