@@ -13,6 +13,8 @@
 #   host_final: the copy-engine transport through host memory (no P2P): tests, bench
 #   ce: the copy-engine transport: its tests, the large shapes through it and through NCCL,
 #       and two timelines
+#   gather: example, both benches, timelines, the copy-engine tests (~400 s); rest: the other
+#       GPU tests (~300 s). measure/ce_final ran past 600 s once the suite had 19 tests.
 set -u
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -138,6 +140,16 @@ if [ "$what" = measure ] || [ "$what" = ce_final ]; then  # the numbers of BENCH
   NCCL_P2P_DISABLE=1 run_bench no_p2p --iters 20 --shapes $big
   run_timelines timeline
   run_suite "ce or auto or copy"
+  run_suite "not (ce or auto or copy)"
+fi
+if [ "$what" = gather ]; then  # fifth session: all-reduce gathered by the kernel; then `rest`
+  run_example
+  run_bench nvlink --iters 20
+  NCCL_P2P_DISABLE=1 BENCH_TIMEOUT=100 run_bench no_p2p --shapes $big --iters 10
+  run_timelines timeline
+  run_suite "ce or auto or copy"
+fi
+if [ "$what" = rest ]; then  # the GPU tests `gather` leaves out (~300 s)
   run_suite "not (ce or auto or copy)"
 fi
 if [ "$what" = check_final ]; then  # after test-harness changes: a few tests, one bench shape, an NCCL knob
