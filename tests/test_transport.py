@@ -126,8 +126,6 @@ def _transports(kind, R, sim, start_epoch):
         t = object.__new__(PeerTransport if kind == "peer" else HostTransport)
         t.group, t.device, t.rank, t.size = None, torch.device("cpu"), r, R
         t.epoch, t.broken = start_epoch, False
-        # every flag starts at start_epoch, the GATHERED tile counters too (they cross 2**32)
-        t.expected, t._gather_args = [start_epoch & 0xFFFFFFFF] * (_FLAGS_BYTES // 4), {}
         if kind == "peer":
             t.buf = torch.zeros(size, dtype=torch.uint8)
         else:
@@ -182,15 +180,6 @@ def _one_call(ts, sim, p, dtype, g):
                             acc += fuse.recv[s, k * rows : (k + 1) * rows].double()
                 row0 = a * rows - (r * B if p.collective == "reduce_scatter" else 0)
                 out[row0 : row0 + rows] = acc.to(dtype)
-                if fuse.gather is not None:  # all-reduce: the tiles also go to the peers
-                    es, band_bytes = out.element_size(), rows * N * out.element_size()
-                    for q in range(R):
-                        if q != r:
-                            dst = fuse.recv.data_ptr() + int(fuse.gather[q, 0]) * es
-                            src = out[row0 : row0 + rows].contiguous()
-                            ctypes.memmove(dst + k * band_bytes, src.data_ptr(), band_bytes)
-                            cnt = _u32(fuse.flags.data_ptr() + 4 * (int(fuse.gather[q, 1]) + k))
-                            cnt.value = (cnt.value + p.tiles_per_chunk[0]) & 0xFFFFFFFF
             sim.counters[(r, c)] = True
             return True
 

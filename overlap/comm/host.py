@@ -41,7 +41,6 @@ class HostTransport(PeerTransport):
     """``PeerTransport`` whose buffers live in pinned shared host memory; one per context."""
 
     a2a_in_place = False  # received bands land in `out` on another stream: no scratch there
-    kernel_gathers = False  # no mapping of the peers: copy engines push reduced bands
 
     def __init__(self, group: dist.ProcessGroup | None, device: torch.device) -> None:
         super().__init__(group, device)

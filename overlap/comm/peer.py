@@ -16,33 +16,25 @@ at block ``r + 1`` so that its own block comes last (``gemm.Fuse``):
   adds their partials from the receive slots and stores the sum straight into ``out``. The
   peers computed this block first, so their pushes landed long before (no wait in practice).
 
-Per collective: reduce-scatter ends there. All-reduce also sends each reduced band of its
-own block into every peer's *gather* slot ``r``: here the kernel's own tiles store it there
-themselves (through the mapping) and count their tiles into the peer's ``GATHERED[r][k]``
-with a system-scope release atomic (``gemm.Fuse.gather``), so no push of the last band
-follows the GEMM; through host memory (``host.py``) a copy engine pushes each reduced band
-from ``out`` and flags it with the epoch. Each rank copies the bands it is sent from its
-gather slots into ``out``, band by band, as their counters or flags arrive. All-to-all
-adds nothing (own block stored as is) and copies its receive slots into ``out`` the same
-way. Those copies are local copy-engine copies on the
+Per collective: reduce-scatter ends there. All-reduce also pushes each reduced band of its
+own block (from ``out``) into every peer's *gather* slot ``r`` and flags it (``GATHERED``);
+each rank copies the bands it is sent from its gather slots into ``out``, band by band, as
+their flags arrive. All-to-all adds nothing (own block stored as is) and copies its receive
+slots into ``out`` the same way. Those copies are local copy-engine copies on the
 communication stream, so no reduction or copy kernel runs after the GEMM. Data moved per
 rank: as NCCL's ring, (R - 1) / R of the product for reduce-scatter and all-to-all,
 2 (R - 1) / R for all-reduce.
 
 Buffer per rank (symmetric memory): flags (int32: ``READY[R]``, ``ARRIVED[R][b]``,
-``GATHERED[R][b]``: epochs, or tile counters where the kernel gathers), then receive slots
-``[R, B, N]``, then (all-reduce) gather slots ``[R, B, N]``. Flags are written by peers with
-``cuStreamWriteValue32`` (which fences the stream's earlier copies) and awaited with
-``cuStreamWaitValue32(GEQ)`` or, in the kernel, with acquire loads; values are the epoch of
-this transport's calls (ranks call in the same order, as with NCCL), compared cyclically;
-tile counters are awaited at the value the host expects once every call so far has
-gathered (``expected``). A call begins with ``READY`` to every peer and waits for theirs,
-so no copy engine writes a buffer before its owner has finished the previous call (which
-ended when its kernel had read the receive slots and its copies had read the gather slots);
-the kernel writes a peer's gather slot only after that peer's ``ARRIVED`` flags of the call,
-which the peer sets after its ``READY`` wait. Nothing on the communication stream needs an
-SM: the kernel's waiting tiles could otherwise hold every SM while the push they wait for
-queued behind a kernel.
+``GATHERED[R][b]``), then receive slots ``[R, B, N]``, then (all-reduce) gather slots
+``[R, B, N]``. Flags are written by peers with ``cuStreamWriteValue32`` (which fences the
+stream's earlier copies) and awaited with ``cuStreamWaitValue32(GEQ)`` or, in the kernel,
+with acquire loads; values are the epoch of this transport's calls (ranks call in the same
+order, as with NCCL), compared cyclically. A call begins with ``READY`` to every peer and
+waits for theirs, so no buffer is written before its owner has finished the previous call
+(which ended when its kernel had read the receive slots and its copies had read the gather
+slots). Nothing on the communication stream needs an SM: the kernel's waiting tiles could
+otherwise hold every SM while the push they wait for queued behind a kernel.
 
 Needs: CUDA, torch symmetric memory, cuda-python, P2P access between all ranks' GPUs
 (``route``; ranks of one host without P2P go through host memory instead, ``host.py``).
@@ -120,7 +112,6 @@ class PeerTransport:
 
     name = "ce"
     a2a_in_place = True  # all-to-all may use `out`'s peer blocks as scratch (run's order)
-    kernel_gathers = True  # all-reduce's own tiles store into the peers' gather slots
 
     def __init__(self, group: dist.ProcessGroup | None, device: torch.device) -> None:
         self.group, self.device = group, device
@@ -129,10 +120,6 @@ class PeerTransport:
         self.broken = False
         self.buf: torch.Tensor | None = None  # uint8, local view of the symmetric buffer
         self.ptrs: list[int] = []  # every rank's buffer, mapped here
-        # GATHERED tile counters (kernel_gathers): per flag index, the value it holds once
-        # every call issued so far has gathered (the host's view; flags start at zero)
-        self.expected = [0] * (_FLAGS_BYTES // 4)
-        self._gather_args: dict = {}  # (M, N, b, itemsize) -> the kernel's int64 [R, 2]
 
     # -- buffer ------------------------------------------------------------------------------
     def _ensure(self, nbytes: int) -> None:
@@ -157,8 +144,6 @@ class PeerTransport:
         dist.barrier(group=self.group)  # every rank's flags are zero before anyone writes
         self.buf, self.handle = buf, handle
         self.ptrs = [int(a) for a in handle.buffer_ptrs]
-        self.expected = [0] * (_FLAGS_BYTES // 4)
-        self._gather_args.clear()
 
     @property
     def nbytes(self) -> int:
@@ -191,56 +176,26 @@ class PeerTransport:
             raise ValueError(f"too many ranks ({self.size}) for the transport's flags")
         recv, flags = self._prepare(p, dtype)
         self.epoch += 1
-        fuse = Fuse(out2, recv, flags, self.epoch, self.rank, p.collective != "all_to_all")
-        if p.collective == "all_reduce" and self.kernel_gathers:
-            fuse.gather, fuse.align = self._gather(p, dtype, recv, flags)
-            R, b, tiles = self.size, p.bands_per_block, p.tiles_per_chunk[0]
-            for s in range(R):
-                for k in range(b) if s != self.rank else ():
-                    i = R + R * b + s * b + k
-                    self.expected[i] = (self.expected[i] + tiles) & _MASK
-        return fuse
+        return Fuse(out2, recv, flags, self.epoch, self.rank, p.collective != "all_to_all")
 
-    def _gather(self, p: Plan, dtype: torch.dtype, recv: torch.Tensor, flags: torch.Tensor):
-        """The kernel's ``Fuse.gather`` for ``p`` (made once per shape and buffer) and the
-        power of two (<= 16) dividing every slot offset in it."""
-        key = (p.M, p.N, p.bands_per_block, dtype.itemsize)
-        if key not in self._gather_args:
-            R, r, b, es = self.size, self.rank, p.bands_per_block, dtype.itemsize
-            rows = []
-            for q in range(R):
-                slot = self._slot(q, 1, r, 0, p, es) - recv.data_ptr()
-                count = self._flag(q, R + R * b + r * b) - flags.data_ptr()
-                assert slot % es == 0 and count % 4 == 0
-                rows.append((slot // es, count // 4) if q != r else (0, 0))
-            align = 16
-            while any(o % align for o, _ in rows):
-                align //= 2
-            gather = torch.tensor(rows, dtype=torch.int64).to(self.device)
-            self._gather_args[key] = (gather, align)
-        return self._gather_args[key]
-
-    def _write_at(self, stream: int, addr: int, value: int | None = None) -> None:
-        """Write ``value`` (default: this call's epoch) into the int32 at ``addr``
-        (stream-ordered, after a fence over the stream's earlier work)."""
+    def _write_at(self, stream: int, addr: int) -> None:
+        """Write this call's epoch into the int32 at ``addr`` (stream-ordered, after a fence
+        over the stream's earlier work)."""
         drv = _driver()
         ptr = drv.CUdeviceptr(addr)
-        value = self.epoch if value is None else value
-        (err,) = drv.cuStreamWriteValue32(drv.CUstream(stream), ptr, value & _MASK, 0)
+        (err,) = drv.cuStreamWriteValue32(drv.CUstream(stream), ptr, self.epoch & _MASK, 0)
         _check(err, "cuStreamWriteValue32")
 
     def _write(self, stream: int, rank: int, index: int) -> None:
         """Write this call's epoch into int32 flag ``index`` of ``rank``."""
         self._write_at(stream, self._flag(rank, index))
 
-    def _wait(self, stream: int, index: int, value: int | None = None) -> None:
-        """Order the rest of ``stream`` after this rank's flag ``index`` reaches ``value``
-        (default: this call's epoch), compared cyclically."""
+    def _wait(self, stream: int, index: int) -> None:
+        """Order the rest of ``stream`` after this rank's flag ``index`` holds this epoch."""
         drv = _driver()
         geq = drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
         addr = drv.CUdeviceptr(self._flag(self.rank, index))
-        value = self.epoch if value is None else value
-        (err,) = drv.cuStreamWaitValue32(drv.CUstream(stream), addr, value & _MASK, geq)
+        (err,) = drv.cuStreamWaitValue32(drv.CUstream(stream), addr, self.epoch & _MASK, geq)
         _check(err, "cuStreamWaitValue32")
 
     def _copy(self, cu_stream, dst: int, src: int, n: int) -> None:
@@ -267,9 +222,7 @@ class PeerTransport:
         region = 1 if p.collective == "all_reduce" and not into_recv else 0  # gather slots
         dst0 = into_recv or out2.data_ptr()
         for s in ((r + j) % R for j in range(1, R)):
-            i = R + region * R * b + s * b + k  # ARRIVED or GATHERED
-            counted = region == 1 and self.kernel_gathers  # tile counters, not epochs
-            self._wait(stream, i, self.expected[i] if counted else None)
+            self._wait(stream, R + region * R * b + s * b + k)  # ARRIVED or GATHERED
             dst = dst0 + (s * B + k * p.run_rows) * p.N * es
             self._copy(cu, dst, self._slot(r, region, s, k, p, es), band)
             if into_recv:
@@ -279,9 +232,8 @@ class PeerTransport:
         """On ``stream``: READY to every peer and wait for theirs; then per band ``a`` in the
         order the kernel launches them (block ``d``, band ``k`` in it), after ``wait(c)``:
         ``d != r``: push it into rank d's receive slot r and set ARRIVED[r][k] there;
-        ``d == r``, all-reduce (unless the kernel gathers): push the reduced band from ``out2``
-        into every peer's gather slot r and set GATHERED[r][k] there; then ``own(k)`` if
-        given."""
+        ``d == r``, all-reduce: push the reduced band from ``out2`` into every peer's gather
+        slot r and set GATHERED[r][k] there; then ``own(k)`` if given."""
         R, r, b, es = self.size, self.rank, p.bands_per_block, p_flat.element_size()
         band = p.run_rows * p.N * es  # bytes
         cu = _driver().CUstream(stream)
@@ -298,7 +250,7 @@ class PeerTransport:
                 self._copy(cu, self._slot(d, 0, r, k, p, es), p_flat.data_ptr() + a * band, band)
                 self._write(stream, d, R + r * b + k)
                 continue
-            if p.collective == "all_reduce" and not self.kernel_gathers:
+            if p.collective == "all_reduce":
                 wait(c)
                 for q in peers:
                     self._copy(cu, self._slot(q, 1, r, k, p, es), out2.data_ptr() + a * band, band)
@@ -326,15 +278,10 @@ class PeerTransport:
 
     def abort(self) -> None:
         """Release this rank's waits on its peers (validation mode's timeout): every local
-        flag is set to the current epoch (tile counters: to their targets) by stream memory
-        writes on a side stream (no SM: a GEMM waiting in its epilogue may hold them all);
-        the transport refuses later calls."""
+        flag is set to the current epoch by stream memory writes on a side stream (no SM: a
+        GEMM waiting in its epilogue may hold them all); the transport refuses later calls."""
         self.broken = True
         side = torch.cuda.Stream(self.device)
         for addr in self._local_flags():
             self._write_at(side.cuda_stream, addr)
-        if self.kernel_gathers and self.ptrs:
-            for i, value in enumerate(self.expected):
-                if value:
-                    self._write_at(side.cuda_stream, self._flag(self.rank, i), value)
         side.synchronize()

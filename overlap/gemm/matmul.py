@@ -55,7 +55,6 @@ def _load_ab(
 def _chunked_matmul_kernel(
     x_ref, w_ref, p_ptr, counter_ptr, trace_ptr, bad_rows_ptr, bad_cols_ptr,
     out_ptr, recv_ptr, flags_ptr, epoch, rank, world, shift, bands_per_block, out_row0,
-    gather_ptr,
     M, N, K,
     stride_xm, stride_xk, stride_wk, stride_wn,
     NUM_PID_M, TILES_FULL, CHUNK_ROWS, RUN_ROWS, RUN_ROWS_LAST, N_BANDS, RANK_ROWS,
@@ -63,7 +62,6 @@ def _chunked_matmul_kernel(
     N_COL_BANDS, scale,
     RUNS: tl.constexpr, X_DESC: tl.constexpr, W_MODE: tl.constexpr,
     HAS_SCALE: tl.constexpr, PRECISION: tl.constexpr, TRACE: tl.constexpr, FUSE: tl.constexpr,
-    GATHER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(axis=0)
@@ -140,10 +138,8 @@ def _chunked_matmul_kernel(
     offs_n = n0 + tl.arange(0, BLOCK_N)
     mask = (offs_i[:, None] < valid_rows) & (offs_n[None, :] < N)
     own = False
-    k = band_a  # the band's index in its rank block (blocked plans)
     if FUSE > 0:
         own = band_a // bands_per_block == rank
-        k = band_a % bands_per_block
     if own:
         # This rank's block (computed last): add the peers' partials of this tile, pushed
         # into `recv` ([world, M / world, N], slot s from rank s) by their copy engines, once
@@ -151,6 +147,7 @@ def _chunked_matmul_kernel(
         block_rows = M // world
         brow = tl.cast(x_row0 - rank * block_rows + offs_i, tl.int64)  # rows in the block
         if FUSE == 1:
+            k = band_a % bands_per_block
             block_elems = tl.cast(block_rows, tl.int64) * N
             for s in range(0, world):
                 if s != rank:
@@ -160,18 +157,8 @@ def _chunked_matmul_kernel(
                     part = recv_ptr + s * block_elems + brow[:, None] * N + offs_n[None, :]
                     acc += tl.load(part, mask=mask, other=0.0).to(tl.float32)
         orow = (x_row0 - out_row0 + offs_i).to(tl.int64)
-        val = acc.to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + orow[:, None] * N + offs_n[None, :], val, mask=mask)
-        if GATHER > 0:
-            # All-reduce: the reduced tile also goes straight into every peer's gather slot
-            # `rank` ([M / R, N], mapped here): gather_ptr[2 q] is its element offset from
-            # recv_ptr, a multiple of GATHER. Safe to write: the peers' flags awaited above
-            # mean they finished reading their gather slots of the previous call.
-            for q in range(0, world):
-                if q != rank:
-                    dq = tl.multiple_of(tl.load(gather_ptr + 2 * q), GATHER)
-                    gat = recv_ptr + dq + brow[:, None] * N + offs_n[None, :]
-                    tl.store(gat, val, mask=mask)
+        tl.store(out_ptr + orow[:, None] * N + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=mask)  # fmt: skip
     else:
         # Slot of chunk (a, b): band_rows x band_cols row-major at row0 * N + col0 * band_rows.
         slot = row0.to(tl.int64) * N + col0 * band_rows
@@ -181,12 +168,6 @@ def _chunked_matmul_kernel(
     tl.debug_barrier()
     chunk = launch_a * N_COL_BANDS + band_b
     tl.atomic_add(counter_ptr + chunk, 1, sem="release", scope="gpu")
-    if GATHER > 0:
-        if own:  # one more tile of band k in each peer's GATHERED[rank][k] counter
-            for q in range(0, world):
-                if q != rank:
-                    dc = tl.load(gather_ptr + 2 * q + 1)
-                    tl.atomic_add(flags_ptr + dc + k, 1, sem="release", scope="sys")
     if TRACE:
         tl.store(trace_ptr + 4 * pid + 1, tl.extra.cuda.globaltimer())
         tl.store(trace_ptr + 4 * pid + 2, tl.extra.cuda.smid().to(tl.int64))
@@ -212,12 +193,7 @@ class Fuse:
     ``out``: the result (``[M / R, N]`` reduce-scatter, ``[M, N]`` otherwise); ``recv``:
     ``[R, M / R, N]`` this rank's receive slots; ``flags``: int32, ``flags[s * b + k]`` holds
     the epoch of the call whose band ``k`` rank ``s`` pushed last; ``add``: False for
-    all-to-all (own tiles are stored, nothing is added). ``gather`` (all-reduce through
-    mapped peer memory): int64 ``[R, 2]``, for each peer ``q`` the element offsets from
-    ``recv`` to ``q``'s gather slot of this rank (``[M / R, N]``) and from ``flags`` to
-    ``q``'s counter ``GATHERED[rank][0]`` (int32); each own tile is also stored there, then
-    adds 1 to ``GATHERED[rank][k]`` (``k`` its band) with release semantics at system scope.
-    ``align``: a power of two (<= 16) that divides every slot offset (a vector-width hint)."""
+    all-to-all (own tiles are stored, nothing is added)."""
 
     out: torch.Tensor
     recv: torch.Tensor
@@ -225,8 +201,6 @@ class Fuse:
     epoch: int
     rank: int
     add: bool
-    gather: torch.Tensor | None = None
-    align: int = 1
 
 
 def chunked_matmul(
@@ -283,10 +257,9 @@ def chunked_matmul(
         b = plan.bands_per_block
         f_args = (fuse.out, fuse.recv, fuse.flags, signed32(fuse.epoch),
                   fuse.rank, R, (fuse.rank + 1) % R * b, b,
-                  fuse.rank * (M // R) if plan.collective == "reduce_scatter" else 0,
-                  fuse.gather if fuse.gather is not None else counters)  # fmt: skip
+                  fuse.rank * (M // R) if plan.collective == "reduce_scatter" else 0)  # fmt: skip
     else:
-        f_args = (counters, counters, counters, 0, 0, R, 0, 1, 0, counters)
+        f_args = (counters, counters, counters, 0, 0, R, 0, 1, 0)
     _chunked_matmul_kernel[grid](
         x_ref, w_ref, p_flat, counters, trace if trace is not None else counters,
         bad_rows, bad_cols, *f_args,
@@ -299,7 +272,6 @@ def chunked_matmul(
         RUNS=plan.runs, X_DESC=x_ref is not x, W_MODE=w_mode,
         HAS_SCALE=scale is not None, PRECISION="tf32x3" if tf32x3 else "tf32",
         TRACE=trace is not None, FUSE=0 if fuse is None else 1 if fuse.add else 2,
-        GATHER=fuse.align if fuse is not None and fuse.gather is not None else 0,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=plan.group_m,
         num_warps=t.num_warps, num_stages=t.num_stages,
     )  # fmt: skip
