@@ -15,6 +15,7 @@
 #       and two timelines
 #   gather: example, both benches, timelines, the copy-engine tests (~400 s); rest: the other
 #       GPU tests (~300 s). measure/ce_final ran past 600 s once the suite had 19 tests.
+#   four (4 GPUs): the example and the benchmark at R = 4, NVLink and without P2P
 set -u
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -29,7 +30,7 @@ what=${1:-all}
 cat "$OUT/env.txt"
 run_bench() {  # mode-name extra-args...
   local name=$1; shift
-  timeout ${BENCH_TIMEOUT:-240} torchrun --nproc-per-node=2 -m overlap.bench --out "$OUT/bench_$name.json" "$@" \
+  timeout ${BENCH_TIMEOUT:-240} torchrun --nproc-per-node=${NPROC:-2} -m overlap.bench --out "$OUT/bench_$name.json" "$@" \
     2>&1 | grep -v "^W1\|OMP_NUM_THREADS\|^\*\*\*"  # the JSON holds every number
 }
 run_suite() {  # [pytest -k expression]: one process per test, so a hang costs one test's timeout
@@ -148,6 +149,12 @@ if [ "$what" = gather ]; then  # fifth session: all-reduce gathered by the kerne
   NCCL_P2P_DISABLE=1 BENCH_TIMEOUT=100 run_bench no_p2p --shapes $big --iters 10
   run_timelines timeline
   run_suite "ce or auto or copy"
+fi
+if [ "$what" = four ]; then  # a 4-GPU machine: the example, both roads at R = 4 (err column)
+  run_example
+  NPROC=4 run_bench four_nvlink --shapes $big --iters 10
+  NPROC=4 NCCL_P2P_DISABLE=1 BENCH_TIMEOUT=200 run_bench four_no_p2p \
+    --shapes 4096x8192x4096,16384x8192x4096 --iters 5
 fi
 if [ "$what" = rest ]; then  # the GPU tests `gather` leaves out (~300 s)
   run_suite "not (ce or auto or copy)"
