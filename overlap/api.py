@@ -206,7 +206,7 @@ def _resolve_backend(backend: str, p: Plan, x: torch.Tensor, group) -> str:
     where it runs: CUDA, all ranks on one host with stream memory operations (asked once per
     group: ``comm.route``, a collective), row-band chunks, ``M`` divisible by R, no CUDA-graph
     capture (its epochs are host values). It goes GPU to GPU where they map each other's
-    memory, else through pinned host memory. Elsewhere both take NCCL through torch; "ce" on a
+    memory, else through pinned host memory ("auto": only for 2 ranks, ``_by_route``). Elsewhere both take NCCL through torch; "ce" on a
     group it cannot reach raises."""
     if backend not in ("auto", "ce"):
         return backend
@@ -215,7 +215,15 @@ def _resolve_backend(backend: str, p: Plan, x: torch.Tensor, group) -> str:
     key = (group, str(x.device))
     if key not in _routes:
         _routes[key] = route(group, x.device)
-    if _routes[key] is None:
+    return _by_route(backend, _routes[key], p)
+
+
+def _by_route(backend: str, road: str | None, p: Plan) -> str:
+    """The backend for "auto" or "ce" on a CUDA call outside capture, given ``road``.
+    "auto" takes the road through host memory only for 2 ranks: with 4 H200s without P2P it
+    was slower than sequential (0.79-0.94x) and NCCL per chunk reached 0.94-1.22x
+    (BENCHMARKS.md, fifth session)."""
+    if road is None:
         if backend == "ce":
             raise ValueError(
                 "backend='ce' needs all ranks on one host and stream memory operations "
@@ -223,6 +231,8 @@ def _resolve_backend(backend: str, p: Plan, x: torch.Tensor, group) -> str:
             )
         return "torch"
     if p.n_col_bands > 1 or p.M % p.world_size:
+        return "torch"
+    if backend == "auto" and road == "host" and p.world_size > 2:
         return "torch"
     return "ce"
 

@@ -89,3 +89,29 @@ def test_backend_choice_without_a_gpu():
     assert _resolve_backend("auto", p, x, None) == "torch"
     assert _resolve_backend("ce", p, x, None) == "torch"
     assert _resolve_backend("cupy", p, x, None) == "cupy"
+
+
+def test_backend_choice_by_road():
+    """On CUDA, "auto" takes the copy-engine transport over P2P for any world size and
+    through host memory for 2 ranks only (measured slower than sequential at 4); "ce" takes
+    any road and raises without one; column-band plans go to NCCL."""
+    from overlap.api import _by_route
+    from overlap.plan import make_plan
+
+    def rows(R, M=512):
+        return make_plan(M, 256, 64, world_size=R, collective="reduce_scatter", dtype_bits=16,
+                         interpreter=True, chunks=2 * R, num_sms=4)  # fmt: skip
+
+    for R in (2, 4):
+        assert rows(R).n_col_bands == 1
+        assert _by_route("auto", "peer", rows(R)) == "ce"
+        assert _by_route("ce", "host", rows(R)) == "ce"
+        assert _by_route("auto", None, rows(R)) == "torch"
+        with pytest.raises(ValueError, match="one host"):
+            _by_route("ce", None, rows(R))
+    assert _by_route("auto", "host", rows(2)) == "ce"
+    assert _by_route("auto", "host", rows(4)) == "torch"
+    cols = make_plan(16, 8192, 4096, world_size=2, collective="all_reduce", dtype_bits=16,
+                     interpreter=True, chunks=4)  # fmt: skip
+    assert cols.path == "overlap" and cols.n_col_bands > 1
+    assert _by_route("auto", "peer", cols) == _by_route("ce", "peer", cols) == "torch"
