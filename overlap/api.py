@@ -206,8 +206,8 @@ def _resolve_backend(backend: str, p: Plan, x: torch.Tensor, group) -> str:
     where it runs: CUDA, all ranks on one host with stream memory operations (asked once per
     group: ``comm.route``, a collective), row-band chunks, ``M`` divisible by R, no CUDA-graph
     capture (its epochs are host values). It goes GPU to GPU where they map each other's
-    memory, else through pinned host memory ("auto": only for 2 ranks, ``_by_route``). Elsewhere both take NCCL through torch; "ce" on a
-    group it cannot reach raises."""
+    memory, else through pinned host memory ("auto": only for 2 ranks, ``_by_route``).
+    Elsewhere both take NCCL through torch; "ce" on a group it cannot reach raises."""
     if backend not in ("auto", "ce"):
         return backend
     if not x.is_cuda or _capturing(x):

@@ -13,6 +13,7 @@ that is never met is a deadlock and fails the test.
 from __future__ import annotations
 
 import ctypes
+import math
 
 import pytest
 import torch
@@ -47,6 +48,12 @@ class _Driver:
     class CUstreamWaitValue_flags:
         CU_STREAM_WAIT_VALUE_GEQ = 1
 
+    class CUmemorytype:
+        CU_MEMORYTYPE_UNIFIED = 4
+
+    class CUDA_MEMCPY2D:  # noqa: N801
+        pass
+
     def __init__(self, sim):
         self.sim = sim
 
@@ -60,6 +67,13 @@ class _Driver:
 
     def cuMemcpyAsync(self, dst, src, n, stream):  # noqa: N802
         self.sim.ops[stream].append(("copy", dst, src, n))
+        return (0,)
+
+    def cuMemcpy2DAsync(self, cp, stream):  # noqa: N802
+        assert cp.srcMemoryType == cp.dstMemoryType == 4 and cp.WidthInBytes <= cp.srcPitch
+        for i in range(cp.Height):  # row by row, as many copies
+            src, dst = cp.srcDevice + i * cp.srcPitch, cp.dstDevice + i * cp.dstPitch
+            self.sim.ops[stream].append(("copy", dst, src, cp.WidthInBytes))
         return (0,)
 
     def cuStreamWriteValue32(self, stream, addr, value, flags):  # noqa: N802
@@ -82,22 +96,33 @@ class _Sim:
         self.counters: dict = {}  # (rank, chunk) reached by the kernel model
 
     def run(self, kernels) -> None:
-        """Execute every stream's ops; ``kernels[rank](op)`` runs the kernel model's ops."""
+        """Execute every stream's ops; ``kernels[rank](op)`` runs the kernel model's ops.
+        Adversarial order: the copy and flag streams run as far as their waits allow after
+        every single kernel op, so an op that is not properly waited for runs before the
+        data it needs exists."""
         self.done = {name: 0 for name in self.ops}
         while True:
-            progress = False
-            for name, ops in self.ops.items():
-                while self.done[name] < len(ops):
-                    op = ops[self.done[name]]
-                    if not self._step(name, op, kernels):
-                        break
-                    self.done[name] += 1
-                    progress = True
+            progress = self._advance([n for n in self.ops if not n.startswith("kernel")], kernels)
+            progress |= self._advance([n for n in self.ops if n.startswith("kernel")], kernels, 1)
             if all(self.done[n] == len(o) for n, o in self.ops.items()):
                 return
             if not progress:
                 stuck = {n: o[self.done[n]] for n, o in self.ops.items() if self.done[n] < len(o)}
                 raise AssertionError(f"deadlock: {stuck}")
+
+    def _advance(self, names, kernels, most=None) -> bool:
+        """Run ops of ``names`` while their waits are met (at most ``most`` ops in all)."""
+        ran, progress = 0, True
+        while progress and (most is None or ran < most):
+            progress = False
+            for name in names:
+                ops = self.ops[name]
+                if self.done[name] < len(ops) and self._step(name, ops[self.done[name]], kernels):
+                    self.done[name] += 1
+                    ran, progress = ran + 1, True
+                    if most is not None and ran >= most:
+                        break
+        return ran > 0
 
     def _step(self, name, op, kernels) -> bool:
         kind = op[0]
@@ -160,27 +185,34 @@ def _one_call(ts, sim, p, dtype, g):
         p_flat = out.view(-1) if in_place else torch.full((M * N,), float("nan"), dtype=dtype)
         fuse = t.begin(p, dtype, out)
         # the kernel model: peer bands go to the slot buffer at once; own bands wait for the
-        # kernel flags, add the receive slots, and go to `out` (gemm/matmul.py's epilogue)
+        # kernel flags, add the receive slots, and go to `out` (gemm/matmul.py's epilogue);
+        # the last band launched finishes column piece by column piece (Plan.tail_cols),
+        # each piece its own chunk
         order = [(c + (r + 1) % R * b) % p.n_row_bands for c in range(p.n_row_bands)]
-        sim.ops[f"kernel{r}"] = [("kernel", r, c, a) for c, a in enumerate(order)]
+        last = p.n_row_bands - 1
+        sim.ops[f"kernel{r}"] = [
+            ("kernel", r, c + j, a, cols)
+            for c, a in enumerate(order)
+            for j, cols in enumerate(p.tail_cols if c == last else ((0, N),))
+        ]
 
         def kernel(op, t=t, fuse=fuse, out=out, p_flat=p_flat, r=r, part=parts[r]):
-            _, _, c, a = op
+            _, _, chunk, a, (c0, c1) = op
             d, k = divmod(a, b)
             band = slice(a * rows, (a + 1) * rows)
             if d != r:
-                p_flat.view(M, N)[band] = part[band]
+                p_flat.view(M, N)[band, c0:c1] = part[band, c0:c1]
             else:
-                acc = part[band].double()
+                acc = part[band, c0:c1].double()
                 if fuse.add:
                     for s in range(R):
                         if s != r:
                             if not reached(int(fuse.flags[s * b + k]) & 0xFFFFFFFF, fuse.epoch):
                                 return False
-                            acc += fuse.recv[s, k * rows : (k + 1) * rows].double()
+                            acc += fuse.recv[s, k * rows : (k + 1) * rows, c0:c1].double()
                 row0 = a * rows - (r * B if p.collective == "reduce_scatter" else 0)
-                out[row0 : row0 + rows] = acc.to(dtype)
-            sim.counters[(r, c)] = True
+                out[row0 : row0 + rows, c0:c1] = acc.to(dtype)
+            sim.counters[(r, chunk)] = True
             return True
 
         kernels[r] = kernel
@@ -206,7 +238,10 @@ def _one_call(ts, sim, p, dtype, g):
 
 @pytest.mark.parametrize("kind", ["peer", "host"])
 @pytest.mark.parametrize("collective", COLLECTIVES)
-@pytest.mark.parametrize(("R", "M", "N", "chunks"), [(2, 64, 24, 4), (3, 96, 16, 6), (2, 50, 8, 8)])
+@pytest.mark.parametrize(
+    ("R", "M", "N", "chunks"),
+    [(2, 64, 24, 4), (3, 96, 16, 6), (2, 50, 8, 8), (2, 128, 100, 4), (3, 96, 80, 6)],
+)
 def test_protocol_delivers_every_band(kind, collective, R, M, N, chunks, monkeypatch):
     from overlap.gemm import Fuse  # noqa: F401 (begin imports it: do it outside the fakes)
 
@@ -221,6 +256,8 @@ def test_protocol_delivers_every_band(kind, collective, R, M, N, chunks, monkeyp
     p = make_plan(M, N, 8, world_size=R, collective=collective, dtype_bits=32, interpreter=True,
                   chunks=chunks, blocked=True)  # fmt: skip
     assert p.path == "overlap" and slot_bytes(p, torch.float32) <= 64 << 20
+    if collective == "all_reduce" and N >= 80:  # 3-4 tile columns: the last band in pieces
+        assert p.tail_pieces == math.ceil(N / 32) > 1
     for call in range(4):
         sim.ops.clear()
         sim.counters.clear()  # the real counters have epochs too (signal/counters.py)
