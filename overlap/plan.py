@@ -38,7 +38,6 @@ from dataclasses import dataclass, field
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_to_all")
 OPS = ("sum", "avg")
 MAX_CHUNKS = 64  # counters per context; plans never exceed it
-TAIL_PIECES = 4  # column pieces of a blocked all-reduce's last band (_blocked_plan)
 # Below this many FLOP the planner picks the plain path by itself: the host must stay ahead of
 # the GPU. Measured on 2x H200 (BENCHMARKS.md, 2026-11-22): an overlapped call costs 0.37-0.57
 # ms of host time (4-8 chunks), 0.25 ms with 2; decode shapes (M = 16, 128; N = 8192,
@@ -107,16 +106,6 @@ class Plan:
     group_m: int = 1  # tile-row grouping of the launch order (divides tile rows per band)
     tiles_per_chunk: tuple[int, ...] = field(default=())
     blocked: bool = False  # rank-block layout of the copy-engine transport (make_plan)
-    tail_pieces: int = 1  # blocked all-reduce: column pieces of the last band (own chunks)
-
-    @property
-    def tail_cols(self) -> tuple[tuple[int, int], ...]:
-        """Blocked plans: the column ranges ``[c0, c1)`` of the last band's pieces, whole
-        tiles each (piece ``j`` holds tile columns ``pid_n`` with ``pid_n * P // n == j``,
-        as the kernel counts them); ``((0, N),)`` without pieces."""
-        n, P, bn = math.ceil(self.N / self.tiles.block_n), self.tail_pieces, self.tiles.block_n
-        edges = [-(-j * n // P) * bn for j in range(P)] + [n * bn]
-        return tuple((edges[j], min(edges[j + 1], self.N)) for j in range(P))
 
     @property
     def runs(self) -> int:
@@ -311,28 +300,22 @@ def _blocked_plan(M: int, N: int, K: int, R: int, collective: str, t: Tiles, chu
     b = max(1, min(round(chunks / R), math.ceil(block / t.block_m), MAX_CHUNKS // R))
     while block % b:
         b -= 1
-    pieces = 1
     if collective == "all_reduce":
         # All-reduce's last band still travels after the GEMM: halve the bands while a band
-        # keeps 4 tile rows (GROUP_M 4: fewer cost GEMM speed) and b stays within chunks;
-        # and the last band (launched last: this rank's) is counted and pushed in column
-        # pieces, so that only the piece its last tiles finish travels after the GEMM.
+        # keeps 4 tile rows (GROUP_M 4: fewer cost GEMM speed), b stays within chunks and
+        # the chunks within the counters.
         while (
             2 * b <= chunks
+            and 2 * R * b <= MAX_CHUNKS
             and block % (2 * b) == 0
             and block // (2 * b) >= 4 * t.block_m
-            and 2 * R * b + TAIL_PIECES - 1 <= MAX_CHUNKS
         ):
             b *= 2
-        pieces = max(1, min(TAIL_PIECES, math.ceil(N / t.block_n), MAX_CHUNKS - R * b + 1))
-    plan = Plan("overlap", "", collective, M, N, K, R, t, block // b, N, blocked=True,
-                tail_pieces=pieces)  # fmt: skip
-    band = (plan.band_tile_rows(0) * math.ceil(N / t.block_n),) * (R * b - 1)
-    last = tuple(plan.band_tile_rows(0) * -(-(c1 - c0) // t.block_n) for c0, c1 in plan.tail_cols)
+    plan = Plan("overlap", "", collective, M, N, K, R, t, block // b, N, blocked=True)
+    tiles = (plan.band_tile_rows(0) * math.ceil(N / t.block_n),) * (R * b)
     return dataclasses.replace(
         plan,
-        reason=f"{R * b} row bands, {b} in each rank's block (copy-engine transport)"
-        + (f", the last in {pieces} column pieces" if pieces > 1 else ""),
+        reason=f"{R * b} chunks, {b} row bands in each rank's block (copy-engine transport)",
         group_m=math.gcd(8, plan.band_tile_rows(0)),
-        tiles_per_chunk=band + last,
+        tiles_per_chunk=tiles,
     )

@@ -84,22 +84,10 @@ def test_blocked_plans_cut_each_rank_block_into_equal_bands(R, collective, m, N,
     p = make_plan(M, N, 8, world_size=R, collective=collective, dtype_bits=16, chunks=chunks,
                   tiles=t, blocked=True)  # fmt: skip
     assert p.path == "overlap" and p.blocked and p.runs == 1
-    b, P, n = p.bands_per_block, p.tail_pieces, math.ceil(N / 16)
-    assert p.n_row_bands == R * b and p.n_chunks == R * b - 1 + P <= MAX_CHUNKS
+    b = p.bands_per_block
+    assert p.n_row_bands == R * b and p.n_chunks == R * b <= MAX_CHUNKS
     assert p.run_rows * b == m and p.run_rows_last == p.run_rows
-    # all-reduce's last band: P column pieces of whole tiles, covering [0, N) in order, as the
-    # kernel counts them (tile column i is in piece i * P // n)
-    assert P == (min(4, n, MAX_CHUNKS - R * b + 1) if collective == "all_reduce" else 1)
-    edges = [c for cols in p.tail_cols for c in cols]
-    assert edges[0] == 0 and edges[-1] == N and edges[1:-1:2] == edges[2:-1:2]
-    for j, (c0, c1) in enumerate(p.tail_cols):
-        assert c0 < c1 and c0 % 16 == 0
-        assert {i * P // n for i in range(c0 // 16, math.ceil(c1 / 16))} == {j}
-    rows = math.ceil(p.run_rows / bm)
-    assert p.tiles_per_chunk == (rows * n,) * (R * b - 1) + tuple(
-        rows * math.ceil((c1 - c0) / 16) for c0, c1 in p.tail_cols
-    )
-    for c in range(p.n_row_bands):
+    for c in range(p.n_chunks):
         off, rows, cols, row0, col0 = p.chunk_slot(c)
         assert (off, rows, cols, row0, col0) == (
             c * p.run_rows * N,
@@ -109,12 +97,21 @@ def test_blocked_plans_cut_each_rank_block_into_equal_bands(R, collective, m, N,
             0,
         )
         assert row0 // m == (row0 + rows - 1) // m  # inside one rank's block
+    assert set(p.tiles_per_chunk) == {math.ceil(p.run_rows / bm) * math.ceil(N / 16)}
     assert 8 % p.group_m == 0 and math.ceil(p.run_rows / bm) % p.group_m == 0
     if collective == "all_reduce" and 2 * b <= chunks and m % (2 * b) == 0:
         assert m // (2 * b) < 4 * bm  # halved as long as a band keeps 4 tile rows
     with pytest.raises(ValueError, match="divisible"):
         make_plan(M + 1, N, 8, world_size=R, collective="reduce_scatter", dtype_bits=16,
                   chunks=chunks, tiles=t, blocked=True)  # fmt: skip
+
+
+def test_blocked_all_reduce_keeps_its_chunks_within_the_counters():
+    """Halving all-reduce's bands stops at MAX_CHUNKS chunks (8 ranks, 64 chunks asked,
+    a block of 65536 rows would otherwise give 64 bands per block: 512 counters)."""
+    p = make_plan(8 * 65536, 16, 16, world_size=8, collective="all_reduce", dtype_bits=16,
+                  chunks=64, blocked=True)  # fmt: skip
+    assert p.path == "overlap" and p.n_chunks == 8 * p.bands_per_block == MAX_CHUNKS
 
 
 def test_default_plans_for_the_bench_shapes():

@@ -103,9 +103,7 @@ def receive_slots(buf: torch.Tensor, p: Plan, dtype: torch.dtype) -> torch.Tenso
 
 
 # int32 flags at the start of every buffer: READY[src] at src, then ARRIVED[src][band] at
-# R + src * b + band (receive slot), then GATHERED[src][band] at R + R * b + src * b + band,
-# then (all-reduce) the last band's pieces 1.. P - 1, PIECE[src][j] at R + 2 R b + src (P - 1)
-# + j - 1 (piece 0 is GATHERED[src][b - 1]).
+# R + src * b + band (receive slot), then GATHERED[src][band] at R + R * b + src * b + band.
 
 
 class PeerTransport:
@@ -174,7 +172,7 @@ class PeerTransport:
                 "the copy-engine transport of this stream was aborted (validation mode's "
                 "timeout); its epochs no longer match the peers'"
             )
-        if self.size * (2 * p.bands_per_block + p.tail_pieces) > _FLAGS_BYTES // 4:
+        if self.size * (1 + 2 * p.bands_per_block) > _FLAGS_BYTES // 4:
             raise ValueError(f"too many ranks ({self.size}) for the transport's flags")
         recv, flags = self._prepare(p, dtype)
         self.epoch += 1
@@ -206,37 +204,6 @@ class PeerTransport:
         (err,) = drv.cuMemcpyAsync(drv.CUdeviceptr(dst), drv.CUdeviceptr(src), n, cu_stream)
         _check(err, "cuMemcpyAsync")
 
-    def _gathered(self, p: Plan, s: int, k: int, j: int) -> int:
-        """Index of the flag for piece ``j`` of band ``k`` that rank ``s`` gathers here."""
-        R, b = self.size, p.bands_per_block
-        if j == 0:
-            return R + R * b + s * b + k
-        return R + 2 * R * b + s * (p.tail_pieces - 1) + j - 1
-
-    @staticmethod
-    def _pieces(p: Plan, k: int) -> tuple[tuple[int, int], ...]:
-        """Column ranges all-reduce's band ``k`` of a block travels in: the last band (each
-        rank's last launched) in ``p.tail_cols``, every other band whole."""
-        if p.collective == "all_reduce" and k == p.bands_per_block - 1:
-            return p.tail_cols
-        return ((0, p.N),)
-
-    def _copy_cols(self, cu_stream, dst: int, src: int, p: Plan, cols: tuple[int, int], es: int):
-        """Columns ``[c0, c1)`` of a band (``p.run_rows`` rows of ``N``, row-major) from the
-        band at ``src`` to the band at ``dst``: one copy, a 2-D one unless all columns."""
-        c0, c1 = cols
-        if (c0, c1) == (0, p.N):
-            return self._copy(cu_stream, dst, src, p.run_rows * p.N * es)
-        drv = _driver()
-        cp = drv.CUDA_MEMCPY2D()
-        unified = drv.CUmemorytype.CU_MEMORYTYPE_UNIFIED
-        cp.srcMemoryType, cp.dstMemoryType = unified, unified
-        cp.srcDevice, cp.dstDevice = drv.CUdeviceptr(src + c0 * es), drv.CUdeviceptr(dst + c0 * es)
-        cp.srcPitch = cp.dstPitch = p.N * es
-        cp.WidthInBytes, cp.Height = (c1 - c0) * es, p.run_rows
-        (err,) = drv.cuMemcpy2DAsync(cp, cu_stream)
-        _check(err, "cuMemcpy2DAsync")
-
     def _slot(self, rank: int, region: int, s: int, k: int, p: Plan, es: int) -> int:
         """Address (mapped here) of band ``k`` of slot ``s`` in ``rank``'s slot region
         ``region`` (0 receive, 1 gather), each ``[R, B, N]``."""
@@ -250,16 +217,14 @@ class PeerTransport:
         slots) into the device receive slot, then the kernel's flag at ``into_recv``'s
         ``flags`` (``HostTransport``)."""
         R, r, b, es = self.size, self.rank, p.bands_per_block, out2.element_size()
-        B = p.M // R
+        band, B = p.run_rows * p.N * es, p.M // R
         cu = _driver().CUstream(stream)
         region = 1 if p.collective == "all_reduce" and not into_recv else 0  # gather slots
         dst0 = into_recv or out2.data_ptr()
-        for s in ((r + i) % R for i in range(1, R)):
+        for s in ((r + j) % R for j in range(1, R)):
+            self._wait(stream, R + region * R * b + s * b + k)  # ARRIVED or GATHERED
             dst = dst0 + (s * B + k * p.run_rows) * p.N * es
-            pieces = self._pieces(p, k) if region else ((0, p.N),)
-            for j, cols in enumerate(pieces):
-                self._wait(stream, self._gathered(p, s, k, j) if region else R + s * b + k)
-                self._copy_cols(cu, dst, self._slot(r, region, s, k, p, es), p, cols, es)
+            self._copy(cu, dst, self._slot(r, region, s, k, p, es), band)
             if into_recv:
                 self._write_at(stream, self.kernel_flag(s * b + k))
 
@@ -268,8 +233,7 @@ class PeerTransport:
         order the kernel launches them (block ``d``, band ``k`` in it), after ``wait(c)``:
         ``d != r``: push it into rank d's receive slot r and set ARRIVED[r][k] there;
         ``d == r``, all-reduce: push the reduced band from ``out2`` into every peer's gather
-        slot r and set GATHERED[r][k] there (the last band piece by piece, each after its own
-        counter: chunks ``c .. c + P - 1``); then ``own(k)`` if given."""
+        slot r and set GATHERED[r][k] there; then ``own(k)`` if given."""
         R, r, b, es = self.size, self.rank, p.bands_per_block, p_flat.element_size()
         band = p.run_rows * p.N * es  # bytes
         cu = _driver().CUstream(stream)
@@ -287,12 +251,10 @@ class PeerTransport:
                 self._write(stream, d, R + r * b + k)
                 continue
             if p.collective == "all_reduce":
-                for j, cols in enumerate(self._pieces(p, k)):
-                    wait(c + j)
-                    for q in peers:
-                        dst, src = self._slot(q, 1, r, k, p, es), out2.data_ptr() + a * band
-                        self._copy_cols(cu, dst, src, p, cols, es)
-                        self._write(stream, q, self._gathered(p, r, k, j))
+                wait(c)
+                for q in peers:
+                    self._copy(cu, self._slot(q, 1, r, k, p, es), out2.data_ptr() + a * band, band)
+                    self._write(stream, q, R + R * b + r * b + k)
             if own is not None:
                 own(k)
 

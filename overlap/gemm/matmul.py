@@ -55,7 +55,6 @@ def _load_ab(
 def _chunked_matmul_kernel(
     x_ref, w_ref, p_ptr, counter_ptr, trace_ptr, bad_rows_ptr, bad_cols_ptr,
     out_ptr, recv_ptr, flags_ptr, epoch, rank, world, shift, bands_per_block, out_row0,
-    tail_pieces,
     M, N, K,
     stride_xm, stride_xk, stride_wk, stride_wn,
     NUM_PID_M, TILES_FULL, CHUNK_ROWS, RUN_ROWS, RUN_ROWS_LAST, N_BANDS, RANK_ROWS,
@@ -168,8 +167,6 @@ def _chunked_matmul_kernel(
         tl.store(p_ptr + offs, acc.to(p_ptr.dtype.element_ty), mask=mask)
     tl.debug_barrier()
     chunk = launch_a * N_COL_BANDS + band_b
-    if FUSE > 0:  # the last band launched counts in column pieces (Plan.tail_cols)
-        chunk += tl.where(launch_a == N_BANDS - 1, (pid_n * tail_pieces) // num_pid_n, 0)
     tl.atomic_add(counter_ptr + chunk, 1, sem="release", scope="gpu")
     if TRACE:
         tl.store(trace_ptr + 4 * pid + 1, tl.extra.cuda.globaltimer())
@@ -231,8 +228,7 @@ def chunked_matmul(
             in ns of the GPU's global timer, its SM and its chunk (``tools/timeline.py``).
         fuse: for blocked plans (``plan.blocked``): launch the bands from the first band of
             rank ``fuse.rank + 1``'s block, so this rank's block comes last, and finish its
-            tiles in ``fuse.out`` (``Fuse``). Chunk ``c`` is the ``c``-th band launched; the
-            last band's tiles count in ``plan.tail_pieces`` chunks, one per column piece.
+            tiles in ``fuse.out`` (``Fuse``). Chunk ``c`` is the ``c``-th band launched.
     """
     t = plan.tiles
     M, K = x.shape
@@ -261,10 +257,9 @@ def chunked_matmul(
         b = plan.bands_per_block
         f_args = (fuse.out, fuse.recv, fuse.flags, signed32(fuse.epoch),
                   fuse.rank, R, (fuse.rank + 1) % R * b, b,
-                  fuse.rank * (M // R) if plan.collective == "reduce_scatter" else 0,
-                  plan.tail_pieces)  # fmt: skip
+                  fuse.rank * (M // R) if plan.collective == "reduce_scatter" else 0)  # fmt: skip
     else:
-        f_args = (counters, counters, counters, 0, 0, R, 0, 1, 0, 1)
+        f_args = (counters, counters, counters, 0, 0, R, 0, 1, 0)
     _chunked_matmul_kernel[grid](
         x_ref, w_ref, p_flat, counters, trace if trace is not None else counters,
         bad_rows, bad_cols, *f_args,
