@@ -296,11 +296,12 @@ def matmul_collective(
             ``torch.distributed`` is not initialized).
         op: "sum" or "avg" (reductions only; "avg" divides the product by R before the sum).
         out: optional contiguous result tensor of the result's shape, dtype and device.
-        backend: "auto" (default: "ce" where it runs, else "torch"), "torch" (the group's own
-            NCCL/gloo, one collective per chunk), "cupy" (a direct NCCL communicator created
-            once from the group) or "ce" (copy-engine pushes between GPUs that map each
-            other's memory, ``overlap/comm/peer.py``; NCCL where a plan or a CUDA-graph
-            capture does not allow it, see ``_resolve_backend``).
+        backend: "auto" (default: "ce" where it runs, and without P2P only for 2 ranks;
+            else "torch"), "torch" (the group's own NCCL/gloo, one collective per chunk),
+            "cupy" (a direct NCCL communicator created once from the group) or "ce"
+            (copy-engine pushes, GPU to GPU where the GPUs map each other's memory, else
+            through pinned host memory: ``overlap/comm/peer.py``, ``host.py``; NCCL where a
+            plan or a CUDA-graph capture does not allow it, see ``_resolve_backend``).
         chunks: about how many chunks to use (default: the planner's choice).
 
     Returns:
