@@ -16,6 +16,7 @@
 #   gather: example, both benches, timelines, the copy-engine tests (~400 s); rest: the other
 #       GPU tests (~300 s). measure/ce_final ran past 600 s once the suite had 19 tests.
 #   four (4 GPUs): the example and the benchmark at R = 4, NVLink and without P2P
+#   host_ce: where the host time of a call through the copy-engine transport goes (not yet run)
 set -u
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -155,6 +156,13 @@ if [ "$what" = four ]; then  # a 4-GPU machine: the example, both roads at R = 4
   NPROC=4 run_bench four_nvlink --shapes $big --iters 10
   NPROC=4 NCCL_P2P_DISABLE=1 BENCH_TIMEOUT=200 run_bench four_no_p2p \
     --shapes 4096x8192x4096,16384x8192x4096 --iters 5
+fi
+if [ "$what" = host_ce ]; then  # host time per call through the copy-engine transport
+  for c in all_reduce reduce_scatter; do
+    timeout 120 torchrun --nproc-per-node=2 tools/host_profile.py --backend auto --collective $c \
+      --out "$OUT/host_ce_$c.txt" > /dev/null 2>&1
+    grep "host ms\|^== " "$OUT/host_ce_$c.txt"
+  done
 fi
 if [ "$what" = rest ]; then  # the GPU tests `gather` leaves out (~300 s)
   run_suite "not (ce or auto or copy)"
