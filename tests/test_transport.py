@@ -47,12 +47,6 @@ class _Driver:
     class CUstreamWaitValue_flags:
         CU_STREAM_WAIT_VALUE_GEQ = 1
 
-    class CUmemorytype:
-        CU_MEMORYTYPE_UNIFIED = 4
-
-    class CUDA_MEMCPY2D:  # noqa: N801
-        pass
-
     def __init__(self, sim):
         self.sim = sim
 
@@ -66,13 +60,6 @@ class _Driver:
 
     def cuMemcpyAsync(self, dst, src, n, stream):  # noqa: N802
         self.sim.ops[stream].append(("copy", dst, src, n))
-        return (0,)
-
-    def cuMemcpy2DAsync(self, cp, stream):  # noqa: N802
-        assert cp.srcMemoryType == cp.dstMemoryType == 4 and cp.WidthInBytes <= cp.srcPitch
-        for i in range(cp.Height):  # row by row, as many copies
-            src, dst = cp.srcDevice + i * cp.srcPitch, cp.dstDevice + i * cp.dstPitch
-            self.sim.ops[stream].append(("copy", dst, src, cp.WidthInBytes))
         return (0,)
 
     def cuStreamWriteValue32(self, stream, addr, value, flags):  # noqa: N802

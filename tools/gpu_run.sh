@@ -144,7 +144,7 @@ if [ "$what" = measure ] || [ "$what" = ce_final ]; then  # the numbers of BENCH
   run_suite "ce or auto or copy"
   run_suite "not (ce or auto or copy)"
 fi
-if [ "$what" = gather ]; then  # fifth session: all-reduce gathered by the kernel; then `rest`
+if [ "$what" = gather ]; then  # first of two calls (then `rest`): example, benches, timelines, ce tests
   run_example
   run_bench nvlink --iters 20
   NCCL_P2P_DISABLE=1 BENCH_TIMEOUT=100 run_bench no_p2p --shapes $big --iters 10
