@@ -31,8 +31,9 @@ def _standard(p, flat):
 @pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter", "all_to_all"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("shape", [(200, 70, 48), (96, 64, 64), (130, 97, 45), (24, 130, 32)])
-@pytest.mark.parametrize("tma", [True, False])
-def test_kernel_writes_every_slot(collective, dtype, shape, tma):
+@pytest.mark.parametrize(("tma", "programs"), [(True, None), (False, None), (True, 5)])
+def test_kernel_writes_every_slot(collective, dtype, shape, tma, programs):
+    """``programs=5``: persistent, each program loops over every 5th tile."""
     M, N, K = shape
     R = 3 if M % 3 == 0 else 2
     p = make_plan(
@@ -52,7 +53,7 @@ def test_kernel_writes_every_slot(collective, dtype, shape, tma):
         w = w.contiguous()  # and the [K, N] row-major layout
     flat = torch.full((M * N,), float("nan"), dtype=dtype)
     counters = ChunkCounters(torch.device("cpu"))
-    chunked_matmul(x, w, flat, counters.tensor, p, scale=0.5, use_tma=tma)
+    chunked_matmul(x, w, flat, counters.tensor, p, scale=0.5, use_tma=tma, programs=programs)
     got = _standard(p, flat)
     ref = 0.5 * (x.double() @ w.double())
     assert not torch.isnan(got).any(), "unwritten elements"
@@ -108,7 +109,8 @@ def test_nan_and_inf_land_where_the_product_has_them(dtype):
 @pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter", "all_to_all"])
 @pytest.mark.parametrize(("R", "rank", "shape"), [(2, 0, (128, 70, 48)), (2, 1, (200, 64, 40)),
                                                   (3, 2, (192, 45, 33))])  # fmt: skip
-def test_blocked_plan_fused_epilogue(collective, R, rank, shape):
+@pytest.mark.parametrize("programs", [None, 3])
+def test_blocked_plan_fused_epilogue(collective, R, rank, shape, programs):
     """The copy-engine transport's kernel on one rank: the peers' bands go to the slot buffer
     (standard rows), this rank's block goes to ``out`` with every peer's pushed partial added
     (all-to-all: stored as is); flags hold the epoch just below the 2**32 wrap."""
@@ -130,7 +132,7 @@ def test_blocked_plan_fused_epilogue(collective, R, rank, shape):
     out = torch.full((B if collective == "reduce_scatter" else M, N), float("nan"))
     counters = ChunkCounters(torch.device("cpu"))
     fuse = Fuse(out, recv, flags, epoch, rank, add=collective != "all_to_all")
-    chunked_matmul(x, w, flat, counters.tensor, p, scale=0.5, fuse=fuse)
+    chunked_matmul(x, w, flat, counters.tensor, p, scale=0.5, fuse=fuse, programs=programs)
     prod = 0.5 * (x.double() @ w.double())
     own = slice(rank * B, (rank + 1) * B)
     peers = [s for s in range(R) if s != rank]

@@ -51,6 +51,22 @@ def _load_ab(
     return a, b
 
 
+@triton.jit
+def _after_cta_barrier(value, ASM: tl.constexpr):
+    """``value``, returned after a barrier of all the program's threads. On the GPU the
+    barrier is PTX ``bar.sync 0`` in inline assembly: ``tl.debug_barrier()`` in the tile loop
+    stops Triton 3.6 from software-pipelining the flattened loop (seen in its TTGIR: one load
+    buffer, 3.3x slower), the assembly does not. The interpreter runs ``debug_barrier``."""
+    if ASM:
+        value = tl.inline_asm_elementwise(
+            "bar.sync 0;\n mov.b32 $0, $1;", "=r,r", [value], dtype=tl.int32, is_pure=False,
+            pack=1,
+        )  # fmt: skip
+    else:
+        tl.debug_barrier()
+    return value
+
+
 @triton.jit(do_not_specialize=["epoch"])
 def _chunked_matmul_kernel(
     x_ref, w_ref, p_ptr, counter_ptr, trace_ptr, bad_rows_ptr, bad_cols_ptr,
@@ -59,119 +75,123 @@ def _chunked_matmul_kernel(
     stride_xm, stride_xk, stride_wk, stride_wn,
     NUM_PID_M, TILES_FULL, CHUNK_ROWS, RUN_ROWS, RUN_ROWS_LAST, N_BANDS, RANK_ROWS,
     CHUNK_COLS,
-    N_COL_BANDS, scale,
+    N_COL_BANDS, N_TILES, scale,
     RUNS: tl.constexpr, X_DESC: tl.constexpr, W_MODE: tl.constexpr,
     HAS_SCALE: tl.constexpr, PRECISION: tl.constexpr, TRACE: tl.constexpr, FUSE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    FLATTEN: tl.constexpr, ASM_BARRIER: tl.constexpr,
 ):  # fmt: skip
-    pid = tl.program_id(axis=0)
-    if TRACE:  # tools/timeline.py: when each tile starts and ends, its SM and chunk
-        tl.store(trace_ptr + 4 * pid, tl.extra.cuda.globaltimer())
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_pid_in_group = GROUP_M * num_pid_n
-    group_id = pid // num_pid_in_group
-    first_pid_m = group_id * GROUP_M
-    group_size_m = min(NUM_PID_M - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
-    pid_n = (pid % num_pid_in_group) // group_size_m
+    # One program per tile (grid = tiles), or fewer programs that each take every
+    # `num_programs`-th tile in launch order (persistent: grid = SMs). Tile ids are launch
+    # order either way, so chunks finish in the same order.
+    for pid in tl.range(tl.program_id(axis=0), N_TILES, tl.num_programs(axis=0), flatten=FLATTEN):
+        if TRACE:  # tools/timeline.py: when each tile starts and ends, its SM and chunk
+            tl.store(trace_ptr + 4 * pid, tl.extra.cuda.globaltimer())
+        num_pid_n = tl.cdiv(N, BLOCK_N)
+        num_pid_in_group = GROUP_M * num_pid_n
+        group_id = pid // num_pid_in_group
+        first_pid_m = group_id * GROUP_M
+        group_size_m = min(NUM_PID_M - first_pid_m, GROUP_M)
+        pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+        pid_n = (pid % num_pid_in_group) // group_size_m
 
-    # Tile row pid_m -> row band a, run r (rank block) within it, tile t within the run.
-    # TILES_FULL: tile rows of a full band; the last band has as many or fewer.
-    launch_a = tl.minimum(pid_m // TILES_FULL, N_BANDS - 1)  # bands finish in launch order
-    band_a = launch_a
-    if FUSE > 0:  # blocked plan (equal bands): start at band `shift`, this rank's block last
-        band_a = (launch_a + shift) % N_BANDS
-    run_rows = tl.where(band_a == N_BANDS - 1, RUN_ROWS_LAST, RUN_ROWS)
-    tiles_per_run = tl.cdiv(run_rows, BLOCK_M)
-    local = pid_m - launch_a * TILES_FULL
-    run = local // tiles_per_run
-    t = local - run * tiles_per_run
-    x_row0 = run * RANK_ROWS + band_a * RUN_ROWS + t * BLOCK_M
-    valid_rows = tl.minimum(BLOCK_M, run_rows - t * BLOCK_M)
-    band_b = (pid_n * BLOCK_N) // CHUNK_COLS
-    row0 = band_a * CHUNK_ROWS  # first slot row of the band
-    col0 = band_b * CHUNK_COLS
-    band_rows = run_rows * RUNS
-    band_cols = tl.minimum(CHUNK_COLS, N - col0)
-    slot_row0 = row0 + run * run_rows + t * BLOCK_M
+        # Tile row pid_m -> row band a, run r (rank block) within it, tile t within the run.
+        # TILES_FULL: tile rows of a full band; the last band has as many or fewer.
+        launch_a = tl.minimum(pid_m // TILES_FULL, N_BANDS - 1)  # bands finish in launch order
+        band_a = launch_a
+        if FUSE > 0:  # blocked plan (equal bands): start at band `shift`, this rank's block last
+            band_a = (launch_a + shift) % N_BANDS
+        run_rows = tl.where(band_a == N_BANDS - 1, RUN_ROWS_LAST, RUN_ROWS)
+        tiles_per_run = tl.cdiv(run_rows, BLOCK_M)
+        local = pid_m - launch_a * TILES_FULL
+        run = local // tiles_per_run
+        t = local - run * tiles_per_run
+        x_row0 = run * RANK_ROWS + band_a * RUN_ROWS + t * BLOCK_M
+        valid_rows = tl.minimum(BLOCK_M, run_rows - t * BLOCK_M)
+        band_b = (pid_n * BLOCK_N) // CHUNK_COLS
+        row0 = band_a * CHUNK_ROWS  # first slot row of the band
+        col0 = band_b * CHUNK_COLS
+        band_rows = run_rows * RUNS
+        band_cols = tl.minimum(CHUNK_COLS, N - col0)
+        slot_row0 = row0 + run * run_rows + t * BLOCK_M
 
-    n0 = pid_n * BLOCK_N
-    offs_k = tl.arange(0, BLOCK_K)
-    # Rows past M read row M - 1 (never stored): no M mask inside the loop.
-    offs_xm = tl.minimum(x_row0 + tl.arange(0, BLOCK_M), M - 1)
-    x_ptrs = x_ref  # unused with a descriptor
-    if not X_DESC:
-        x_ptrs += offs_xm.to(tl.int64)[:, None] * stride_xm + offs_k[None, :] * stride_xk
-    w_ptrs = w_ref
-    offs_wn = (n0 + tl.arange(0, BLOCK_N)) % N  # % keeps contiguity info (tl.where loses it)
-    if W_MODE == 0:
-        w_ptrs += offs_k[:, None] * stride_wk + offs_wn.to(tl.int64)[None, :] * stride_wn
+        n0 = pid_n * BLOCK_N
+        offs_k = tl.arange(0, BLOCK_K)
+        # Rows past M read row M - 1 (never stored): no M mask inside the loop.
+        offs_xm = tl.minimum(x_row0 + tl.arange(0, BLOCK_M), M - 1)
+        x_ptrs = x_ref  # unused with a descriptor
+        if not X_DESC:
+            x_ptrs += offs_xm.to(tl.int64)[:, None] * stride_xm + offs_k[None, :] * stride_xk
+        w_ptrs = w_ref
+        offs_wn = (n0 + tl.arange(0, BLOCK_N)) % N  # % keeps contiguity info (tl.where loses it)
+        if W_MODE == 0:
+            w_ptrs += offs_k[:, None] * stride_wk + offs_wn.to(tl.int64)[None, :] * stride_wn
 
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
-        a, b = _load_ab(
-            x_ref, w_ref, x_ptrs, w_ptrs, k, K, x_row0, n0, offs_k, stride_xk, stride_wk,
-            X_DESC, W_MODE, BLOCK_K,
-        )  # fmt: skip
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)  # 16-bit inputs ignore it
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, tl.cdiv(K, BLOCK_K)):
+            a, b = _load_ab(
+                x_ref, w_ref, x_ptrs, w_ptrs, k, K, x_row0, n0, offs_k, stride_xk, stride_wk,
+                X_DESC, W_MODE, BLOCK_K,
+            )  # fmt: skip
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)  # 16-bit inputs ignore it
 
-    if PRECISION == "tf32x3":
-        # Three TF32 products give fp32 accuracy but turn every Inf into NaN (inf - inf in
-        # the split). A product element is Inf or NaN iff its x row or its w column holds
-        # one; tiles that have such rows or columns redo them with one TF32 product, which
-        # keeps IEEE's Inf and NaN (the finite parts there do not matter).
-        bad_r = tl.load(bad_rows_ptr + offs_xm)
-        bad_c = tl.load(bad_cols_ptr + offs_wn)
-        if tl.max(bad_r, axis=0) + tl.max(bad_c, axis=0) > 0:
-            ieee = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for k in range(0, tl.cdiv(K, BLOCK_K)):
-                a, b = _load_ab(
-                    x_ref, w_ref, x_ptrs, w_ptrs, k, K, x_row0, n0, offs_k, stride_xk,
-                    stride_wk, X_DESC, W_MODE, BLOCK_K,
-                )  # fmt: skip
-                ieee = tl.dot(a, b, ieee, input_precision="tf32")
-            acc = tl.where((bad_r[:, None] + bad_c[None, :]) > 0, ieee, acc)
+        if PRECISION == "tf32x3":
+            # Three TF32 products give fp32 accuracy but turn every Inf into NaN (inf - inf in
+            # the split). A product element is Inf or NaN iff its x row or its w column holds
+            # one; tiles that have such rows or columns redo them with one TF32 product, which
+            # keeps IEEE's Inf and NaN (the finite parts there do not matter).
+            bad_r = tl.load(bad_rows_ptr + offs_xm)
+            bad_c = tl.load(bad_cols_ptr + offs_wn)
+            if tl.max(bad_r, axis=0) + tl.max(bad_c, axis=0) > 0:
+                ieee = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for k in range(0, tl.cdiv(K, BLOCK_K)):
+                    a, b = _load_ab(
+                        x_ref, w_ref, x_ptrs, w_ptrs, k, K, x_row0, n0, offs_k, stride_xk,
+                        stride_wk, X_DESC, W_MODE, BLOCK_K,
+                    )  # fmt: skip
+                    ieee = tl.dot(a, b, ieee, input_precision="tf32")
+                acc = tl.where((bad_r[:, None] + bad_c[None, :]) > 0, ieee, acc)
 
-    if HAS_SCALE:
-        acc = acc * scale
-    offs_i = tl.arange(0, BLOCK_M)
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    mask = (offs_i[:, None] < valid_rows) & (offs_n[None, :] < N)
-    own = False
-    if FUSE > 0:
-        own = band_a // bands_per_block == rank
-    if own:
-        # This rank's block (computed last): add the peers' partials of this tile, pushed
-        # into `recv` ([world, M / world, N], slot s from rank s) by their copy engines, once
-        # each peer's flag for this band holds this call's epoch; store into `out` directly.
-        block_rows = M // world
-        brow = tl.cast(x_row0 - rank * block_rows + offs_i, tl.int64)  # rows in the block
-        if FUSE == 1:
-            k = band_a % bands_per_block
-            block_elems = tl.cast(block_rows, tl.int64) * N
-            for s in range(0, world):
-                if s != rank:
-                    flag = flags_ptr + s * bands_per_block + k
-                    while tl.atomic_add(flag, 0, sem="acquire", scope="sys") - epoch < 0:
-                        pass
-                    part = recv_ptr + s * block_elems + brow[:, None] * N + offs_n[None, :]
-                    acc += tl.load(part, mask=mask, other=0.0).to(tl.float32)
-        orow = (x_row0 - out_row0 + offs_i).to(tl.int64)
-        tl.store(out_ptr + orow[:, None] * N + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=mask)  # fmt: skip
-    else:
-        # Slot of chunk (a, b): band_rows x band_cols row-major at row0 * N + col0 * band_rows.
-        slot = row0.to(tl.int64) * N + col0 * band_rows
-        rows = (slot_row0 - row0 + offs_i).to(tl.int64)
-        offs = slot + rows[:, None] * band_cols + (offs_n - col0)[None, :]
-        tl.store(p_ptr + offs, acc.to(p_ptr.dtype.element_ty), mask=mask)
-    tl.debug_barrier()
-    chunk = launch_a * N_COL_BANDS + band_b
-    tl.atomic_add(counter_ptr + chunk, 1, sem="release", scope="gpu")
-    if TRACE:
-        tl.store(trace_ptr + 4 * pid + 1, tl.extra.cuda.globaltimer())
-        tl.store(trace_ptr + 4 * pid + 2, tl.extra.cuda.smid().to(tl.int64))
-        tl.store(trace_ptr + 4 * pid + 3, chunk.to(tl.int64))
+        if HAS_SCALE:
+            acc = acc * scale
+        offs_i = tl.arange(0, BLOCK_M)
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask = (offs_i[:, None] < valid_rows) & (offs_n[None, :] < N)
+        own = False
+        if FUSE > 0:
+            own = band_a // bands_per_block == rank
+        if own:
+            # This rank's block (computed last): add the peers' partials of this tile, pushed
+            # into `recv` ([world, M / world, N], slot s from rank s) by their copy engines, once
+            # each peer's flag for this band holds this call's epoch; store into `out` directly.
+            block_rows = M // world
+            brow = tl.cast(x_row0 - rank * block_rows + offs_i, tl.int64)  # rows in the block
+            if FUSE == 1:
+                k = band_a % bands_per_block
+                block_elems = tl.cast(block_rows, tl.int64) * N
+                for s in range(0, world):
+                    if s != rank:
+                        flag = flags_ptr + s * bands_per_block + k
+                        while tl.atomic_add(flag, 0, sem="acquire", scope="sys") - epoch < 0:
+                            pass
+                        part = recv_ptr + s * block_elems + brow[:, None] * N + offs_n[None, :]
+                        acc += tl.load(part, mask=mask, other=0.0).to(tl.float32)
+            orow = (x_row0 - out_row0 + offs_i).to(tl.int64)
+            out_offs = orow[:, None] * N + offs_n[None, :]
+            tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            # Slot of chunk (a, b): band_rows x band_cols row-major at row0 * N + col0 * band_rows.
+            slot = row0.to(tl.int64) * N + col0 * band_rows
+            rows = (slot_row0 - row0 + offs_i).to(tl.int64)
+            offs = slot + rows[:, None] * band_cols + (offs_n - col0)[None, :]
+            tl.store(p_ptr + offs, acc.to(p_ptr.dtype.element_ty), mask=mask)
+        # Every thread's stores are issued before the one release atomic that counts the tile.
+        chunk = _after_cta_barrier(launch_a * N_COL_BANDS + band_b, ASM_BARRIER)
+        tl.atomic_add(counter_ptr + chunk, 1, sem="release", scope="gpu")
+        if TRACE:
+            tl.store(trace_ptr + 4 * pid + 1, tl.extra.cuda.globaltimer())
+            tl.store(trace_ptr + 4 * pid + 2, tl.extra.cuda.smid().to(tl.int64))
+            tl.store(trace_ptr + 4 * pid + 3, chunk.to(tl.int64))
 
 
 def _tma_ok(t: torch.Tensor) -> bool:
@@ -213,7 +233,9 @@ def chunked_matmul(
     use_tma: bool = True,
     trace: torch.Tensor | None = None,
     fuse: Fuse | None = None,
-) -> None:
+    programs: int | None = None,
+    flatten: bool | None = None,
+):
     """Launch the GEMM of ``plan`` on the current stream.
 
     Args:
@@ -224,11 +246,21 @@ def chunked_matmul(
         plan: an overlap plan for these shapes.
         scale: multiply the product by this before rounding (``op="avg"``: ``1 / R``).
         use_tma: load through TMA descriptors where the strides allow (Hopper and newer).
-        trace: ``[4 * tiles]`` int64 (GPU only): per tile (program id order) its start and end
+        trace: ``[4 * tiles]`` int64 (GPU only): per tile (launch order) its start and end
             in ns of the GPU's global timer, its SM and its chunk (``tools/timeline.py``).
         fuse: for blocked plans (``plan.blocked``): launch the bands from the first band of
             rank ``fuse.rank + 1``'s block, so this rank's block comes last, and finish its
             tiles in ``fuse.out`` (``Fuse``). Chunk ``c`` is the ``c``-th band launched.
+        programs: launch this many programs, each taking every ``programs``-th tile in launch
+            order (persistent; the tile loop is flattened so the next tile's loads overlap
+            this tile's epilogue); None: one program per tile, what the library launches.
+            Persistent programs never give their SMs back, so NCCL's kernels wait for the
+            GEMM (BENCHMARKS step 12); with ``fuse`` they cannot deadlock, since every
+            program reaches its own-block tiles (the only ones that wait) after all its
+            other tiles. Measured on H200 in BENCHMARKS step 23.
+        flatten: flatten the tile loop (None: when persistent; tuning runs).
+
+    Returns Triton's compiled kernel (``n_regs``, ``n_spills``, ``asm``: tools).
     """
     t = plan.tiles
     M, K = x.shape
@@ -249,7 +281,8 @@ def chunked_matmul(
         w_ref, w_mode = TensorDescriptor.from_tensor(w.t(), [t.block_n, t.block_k]), W_NK
     elif use_tma and _tma_ok(w):
         w_ref, w_mode = TensorDescriptor.from_tensor(w, [t.block_k, t.block_n]), W_KN
-    grid = (plan.num_tile_rows * triton.cdiv(N, t.block_n),)
+    n_tiles = plan.num_tile_rows * triton.cdiv(N, t.block_n)
+    grid = (n_tiles if programs is None else max(1, min(programs, n_tiles)),)
     R = plan.world_size
     if fuse is not None:
         if not plan.blocked:
@@ -260,18 +293,20 @@ def chunked_matmul(
                   fuse.rank * (M // R) if plan.collective == "reduce_scatter" else 0)  # fmt: skip
     else:
         f_args = (counters, counters, counters, 0, 0, R, 0, 1, 0)
-    _chunked_matmul_kernel[grid](
+    return _chunked_matmul_kernel[grid](
         x_ref, w_ref, p_flat, counters, trace if trace is not None else counters,
         bad_rows, bad_cols, *f_args,
         M, N, K,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1),
         plan.num_tile_rows, plan.band_tile_rows(0), plan.chunk_rows, plan.run_rows,
         plan.run_rows_last,
-        plan.n_row_bands, plan.rank_block_rows, plan.chunk_cols, plan.n_col_bands,
+        plan.n_row_bands, plan.rank_block_rows, plan.chunk_cols, plan.n_col_bands, n_tiles,
         1.0 if scale is None else scale,
         RUNS=plan.runs, X_DESC=x_ref is not x, W_MODE=w_mode,
         HAS_SCALE=scale is not None, PRECISION="tf32x3" if tf32x3 else "tf32",
         TRACE=trace is not None, FUSE=0 if fuse is None else 1 if fuse.add else 2,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=plan.group_m,
+        FLATTEN=grid[0] < n_tiles if flatten is None else flatten,
+        ASM_BARRIER=x.is_cuda,
         num_warps=t.num_warps, num_stages=t.num_stages,
     )  # fmt: skip
