@@ -1,64 +1,154 @@
-"""Single-GPU sweep of the chunk-slot GEMM (all-reduce plan, TMA loads, w = weight.t()) over tile
-configs, against cuBLAS; each variant's product is also checked against cuBLAS's.
+"""Single-GPU sweep of the chunk-slot GEMM (TMA loads, w = weight.t()) over tile configs and
+launch modes, against cuBLAS; each variant's product is also checked against cuBLAS's and its
+chunk counters against the plan.
 
-Usage: python tools/gemm_sweep.py OUT.json [--fp32] [--configs "BM,BN,BK,W,S;..."]
-Prints one line per variant and, last, "best BM,BN,BK,warps,stages" (least total time).
+Usage: python tools/gemm_sweep.py OUT.json [--fp32] [--configs "BM,BN,BK,W,S[,MODE];..."]
+    [--ir FILE]  (append each variant's TTGIR on the first shape to FILE)
+
+MODE: ``grid`` (one program per tile, the default), ``persistent`` (one program per SM, each
+looping over tiles, the loop flattened), ``persistent_nf`` (not flattened); a ``fused_``
+prefix runs the copy-engine transport's kernel instead (blocked plan, rank 0 of 2, this
+rank's block adding a peer partial whose flags are already set). Each variant is timed
+twice: ``ms`` by ``triton.testing.do_bench`` (back to back, L2 flushed) and ``queued_ms`` as
+``overlap.bench`` times (a ~1 ms GPU sleep before each call, CUDA events around it; the
+functions take turns). Rows also hold the kernel's registers, spills and counts of some
+TTGIR ops (whether the K loop was software-pipelined). Prints one line per variant and,
+last, "best ..." (least total queued time).
 ``--fp32``: fp32 inputs instead (the kernel's three-TF32-product path against cuBLAS fp32).
 """
 
 import json
+import statistics
 import sys
 
 import torch
 from triton.testing import do_bench
 
-from overlap.gemm.matmul import chunked_matmul
+from overlap.gemm.matmul import Fuse, chunked_matmul
 from overlap.plan import Tiles, make_plan
 
 SHAPES = [(4096, 8192, 4096), (8192, 8192, 14336), (16384, 8192, 4096), (8192, 4096, 4096)]
-# (block_m, block_n, block_k, num_warps, num_stages)
+# (block_m, block_n, block_k, num_warps, num_stages, mode)
 CONFIGS = [
-    (256, 128, 64, 8, 3), (256, 128, 64, 8, 4), (128, 256, 64, 8, 3), (128, 256, 64, 8, 4),
-    (128, 128, 64, 4, 4), (128, 128, 64, 8, 4), (128, 128, 128, 4, 3),
+    (256, 128, 64, 8, 4, "grid"), (256, 128, 64, 8, 4, "persistent"),
+    (128, 256, 64, 8, 3, "persistent"), (128, 256, 64, 8, 4, "persistent"),
+    (256, 128, 64, 8, 4, "fused_grid"), (128, 256, 64, 8, 3, "fused_persistent"),
 ]  # fmt: skip
-FP32_CONFIGS = [(128, 64, 32, 4, 4), (128, 128, 32, 8, 3), (64, 128, 32, 4, 4)]
+FP32_CONFIGS = [(128, 64, 32, 4, 4, "grid"), (128, 64, 32, 4, 4, "persistent")]
+IR_OPS = ("scf.for", "async_tma_copy_global_to_local", "warp_group_dot_wait", "ttg.local_alloc")
 
 
 def _ms(fn):
     return do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
-def main(out_path, fp32=False, configs=None):
+def _queued(fns: dict, iters: int = 30) -> dict:
+    """Median ms of each function timed as overlap.bench does, taking turns."""
+    times = {k: [] for k in fns}
+    for _ in range(iters):
+        for k, fn in fns.items():
+            torch.cuda.synchronize()
+            torch.cuda._sleep(2_000_000)
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times[k].append(a.elapsed_time(b))
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def _parse(spec: str) -> tuple:
+    parts = spec.split(",")
+    return (*(int(v) for v in parts[:5]), parts[5] if len(parts) > 5 else "grid")
+
+
+def _variant(x, w, y, cfg, sms, dtype):
+    """(launch, check) for one variant: ``launch()`` runs it, ``check()`` returns the error
+    against cuBLAS's ``y`` and whether the counters grew by the plan's tiles per chunk."""
+    M, K = x.shape
+    N = w.shape[1]
+    *tile, mode = cfg
+    fused = mode.startswith("fused_")
+    mode = mode.removeprefix("fused_")
+    plan = make_plan(
+        M, N, K, world_size=2, collective="all_reduce", dtype_bits=dtype.itemsize * 8,
+        tiles=Tiles(*tile), blocked=fused, **({"chunks": 4} if fused else {}),
+    )  # fmt: skip
+    kw = dict(
+        programs=None if mode == "grid" else sms,
+        flatten=False if mode.endswith("_nf") else None,
+    )
+    cnt = torch.zeros(64, dtype=torch.int32, device="cuda")
+    p = torch.full((M * N,), float("nan"), device="cuda", dtype=dtype)
+    out = torch.full((M, N), float("nan"), device="cuda", dtype=dtype)
+    if fused:  # rank 0: block 0 is its own, to which rank 1's partial is added; flags are set
+        recv = torch.randn(2, M // 2, N, device="cuda", dtype=dtype)
+        recv[0] = float("nan")  # rank 0's own slot is never read
+        flags = torch.full((64,), 1 << 30, dtype=torch.int32, device="cuda")
+        kw["fuse"] = Fuse(out, recv, flags, 1, 0, True)
+    calls = [0]
+
+    def launch():
+        calls[0] += 1
+        return chunked_matmul(x, w, p, cnt, plan, **kw)
+
+    def check():
+        torch.cuda.synchronize()
+        got = p.view(M, N).float()
+        if fused:
+            got[: M // 2] = out[: M // 2].float() - recv[1].float()
+        err = ((got - y.float()).norm() / y.float().norm()).item()
+        want = [calls[0] * t for t in plan.tiles_per_chunk]
+        return err, cnt[: plan.n_chunks].tolist() == want
+
+    return launch, check
+
+
+def main(out_path, fp32=False, configs=None, ir_path=None):
     dtype = torch.float32 if fp32 else torch.bfloat16
     configs = configs or (FP32_CONFIGS if fp32 else CONFIGS)
     shapes = [(2048, 4096, 4096), (4096, 8192, 4096)] if fp32 else SHAPES
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows, total = [], {c: 0.0 for c in configs}
     for M, N, K in shapes:
         x = torch.randn(M, K, device="cuda", dtype=dtype)
         w = torch.randn(N, K, device="cuda", dtype=dtype).t()
         y = torch.empty(M, N, device="cuda", dtype=dtype)
         tflop = 2 * M * N * K / 1e9
-        t = _ms(lambda: torch.matmul(x, w, out=y))
-        rows.append(dict(shape=(M, N, K), kernel="cublas", ms=t, tflops=tflop / t))
-        print(rows[-1], flush=True)
+        fns = {"cublas": lambda: torch.matmul(x, w, out=y)}
+        shape_rows = {"cublas": dict(shape=(M, N, K), kernel="cublas", ms=_ms(fns["cublas"]))}
+        checks = {}
         for cfg in configs:
-            tiles = Tiles(*cfg)
-            plan = make_plan(
-                M, N, K, world_size=2, collective="all_reduce",
-                dtype_bits=dtype.itemsize * 8, tiles=tiles,
-            )  # fmt: skip
-            cnt = torch.zeros(64, dtype=torch.int32, device="cuda")
-            p = torch.full((M * N,), float("nan"), device="cuda", dtype=dtype)
             row = dict(shape=(M, N, K), kernel="ours", config=cfg)
+            shape_rows[cfg] = row
             try:
-                chunked_matmul(x, w, p, cnt, plan)
-                err = ((p.view(M, N).float() - y.float()).norm() / y.float().norm()).item()
-                t = _ms(lambda: chunked_matmul(x, w, p, cnt, plan))
-                row.update(ms=t, tflops=tflop / t, err_vs_cublas=err)
-                total[cfg] += t if err < 1e-2 else float("inf")
-            except Exception as e:
+                launch, check = _variant(x, w, y, cfg, sms, dtype)
+                k = launch()
+                ir = k.asm.get("ttgir", "")
+                if ir_path and (M, N, K) == shapes[0]:
+                    with open(ir_path, "a") as f:
+                        f.write(f"// ===== {cfg}\n{ir}\n")
+                row.update(regs=k.n_regs, spills=k.n_spills, ir={op: ir.count(op) for op in IR_OPS})
+                row["ms"] = _ms(launch)
+                fns[cfg], checks[cfg] = launch, check
+            except Exception as e:  # noqa: BLE001 (a config that does not compile)
                 row.update(error=f"{type(e).__name__}: {str(e)[:160]}")
                 total[cfg] = float("inf")
+        for name, t in _queued(fns).items():
+            shape_rows[name]["queued_ms"] = t
+        for cfg, check in checks.items():
+            err, counted = check()
+            row = shape_rows[cfg]
+            row.update(err_vs_cublas=err, counters_ok=counted)
+            ok = err < 1e-2 and counted
+            total[cfg] += row["queued_ms"] if ok else float("inf")
+        cub = shape_rows["cublas"]
+        for row in shape_rows.values():
+            if "queued_ms" in row:
+                row["tflops"] = tflop / row["queued_ms"]
+                row["vs_cublas"] = row["queued_ms"] / cub["queued_ms"]
+                row["vs_cublas_do_bench"] = row["ms"] / cub["ms"]
             rows.append(row)
             print(row, flush=True)
     best = min(configs, key=lambda c: total[c])
@@ -74,6 +164,6 @@ if __name__ == "__main__":
     args = sys.argv[1:]
     chosen = None
     if "--configs" in args:
-        spec = args[args.index("--configs") + 1]
-        chosen = [tuple(int(v) for v in c.split(",")) for c in spec.split(";")]
-    main(args[0], fp32="--fp32" in args, configs=chosen)
+        chosen = [_parse(c) for c in args[args.index("--configs") + 1].split(";")]
+    ir_file = args[args.index("--ir") + 1] if "--ir" in args else None
+    main(args[0], fp32="--fp32" in args, configs=chosen, ir_path=ir_file)
