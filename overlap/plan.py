@@ -106,33 +106,34 @@ class Plan:
     group_m: int = 1  # tile-row grouping of the launch order (divides tile rows per band)
     tiles_per_chunk: tuple[int, ...] = field(default=())
     blocked: bool = False  # rank-block layout of the copy-engine transport (make_plan)
+    # Derived sizes are cached properties: every launch reads them (host time per call).
 
-    @property
+    @functools.cached_property
     def runs(self) -> int:
         """Runs per row band: R for reduce-scatter and all-to-all, 1 for all-reduce and for
         blocked plans."""
         return self.world_size if self.collective != "all_reduce" and not self.blocked else 1
 
-    @property
+    @functools.cached_property
     def bands_per_block(self) -> int:
         """Blocked plans: row bands in each rank's block of ``M / R`` rows."""
         return self.n_row_bands // self.world_size
 
-    @property
+    @functools.cached_property
     def rank_block_rows(self) -> int:
         """Rows of x that one run index walks through: ``M / runs``."""
         return self.M // self.runs
 
-    @property
+    @functools.cached_property
     def chunk_rows(self) -> int:
         """Slot rows of a full row band."""
         return self.runs * self.run_rows
 
-    @property
+    @functools.cached_property
     def n_row_bands(self) -> int:
         return math.ceil(self.rank_block_rows / self.run_rows) if self.run_rows else 0
 
-    @property
+    @functools.cached_property
     def n_col_bands(self) -> int:
         return math.ceil(self.N / self.chunk_cols) if self.chunk_cols else 0
 
@@ -140,7 +141,7 @@ class Plan:
     def n_chunks(self) -> int:
         return len(self.tiles_per_chunk)
 
-    @property
+    @functools.cached_property
     def run_rows_last(self) -> int:
         return self.rank_block_rows - (self.n_row_bands - 1) * self.run_rows
 
@@ -160,7 +161,7 @@ class Plan:
         """Tile rows (programs along M) of row band ``a``."""
         return self.runs * math.ceil(self.band_run_rows(a) / self.tiles.block_m)
 
-    @property
+    @functools.cached_property
     def num_tile_rows(self) -> int:
         return sum(self.band_tile_rows(a) for a in range(self.n_row_bands))
 
