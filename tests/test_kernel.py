@@ -109,11 +109,12 @@ def test_nan_and_inf_land_where_the_product_has_them(dtype):
 @pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter", "all_to_all"])
 @pytest.mark.parametrize(("R", "rank", "shape"), [(2, 0, (128, 70, 48)), (2, 1, (200, 64, 40)),
                                                   (3, 2, (192, 45, 33))])  # fmt: skip
-@pytest.mark.parametrize("programs", [None, 3])
-def test_blocked_plan_fused_epilogue(collective, R, rank, shape, programs):
+@pytest.mark.parametrize(("programs", "specials"), [(None, False), (3, False), (None, True)])
+def test_blocked_plan_fused_epilogue(collective, R, rank, shape, programs, specials):
     """The copy-engine transport's kernel on one rank: the peers' bands go to the slot buffer
     (standard rows), this rank's block goes to ``out`` with every peer's pushed partial added
-    (all-to-all: stored as is); flags hold the epoch just below the 2**32 wrap."""
+    (all-to-all: stored as is); flags hold the epoch just below the 2**32 wrap. ``specials``:
+    NaN and Inf in x and w (fp32 redoes their tiles with one TF32 product, partials too)."""
     from overlap.gemm import Fuse
 
     M, N, K = shape
@@ -123,7 +124,11 @@ def test_blocked_plan_fused_epilogue(collective, R, rank, shape, programs):
     )  # fmt: skip
     assert p.path == "overlap" and p.blocked and p.n_row_bands == R * p.bands_per_block
     B = M // R
-    x, w = torch.randn(M, K), torch.randn(K, N)
+    x, w_nk = torch.randn(M, K), torch.randn(N, K)
+    if specials:
+        poison_with_specials(x, w_nk)
+        x = x.roll(rank * B, 0)  # specials in this rank's own block too
+    w = w_nk.t().contiguous()
     recv = torch.randn(R, B, N)
     recv[rank] = float("nan")  # this rank's own slot is never read
     epoch = (1 << 32) - 1
