@@ -11,7 +11,10 @@ The main loop is a plain Triton tiled loop. What differs from a plain GEMM:
   either layout (``[K, N]`` rows or ``linear.weight.t()``); pointer loads otherwise. Measured
   on H200, bf16 4096x8192x4096, ``w = weight.t()``: pointer loads 0.50-0.52 ms, cuBLAS 0.345.
 - Epilogue: the tile goes to its slot, then, after a barrier (every thread's stores issued),
-  one ``atomic_add(counter[chunk], 1)`` with release semantics at GPU scope.
+  one ``atomic_add(counter[chunk], 1)`` with release semantics at GPU scope. With ``Fuse`` (the
+  copy-engine transport), this rank's own tiles first add the peers' partials, loaded through
+  TMA where the rows are 16-byte aligned (pointer loads held 254 registers and took ~4 us
+  more per call at 4096x8192x4096 on H200: BENCHMARKS step 26).
 
 This file imports no ``torch.distributed``.
 """
@@ -70,7 +73,7 @@ def _after_cta_barrier(value, ASM: tl.constexpr):
 @triton.jit(do_not_specialize=["epoch"])
 def _chunked_matmul_kernel(
     x_ref, w_ref, p_ptr, counter_ptr, trace_ptr, bad_rows_ptr, bad_cols_ptr,
-    out_ptr, recv_ptr, flags_ptr, epoch, rank, world, shift, bands_per_block, out_row0,
+    out_ptr, recv_ref, flags_ptr, epoch, rank, world, shift, bands_per_block, out_row0,
     M, N, K,
     stride_xm, stride_xk, stride_wk, stride_wn,
     NUM_PID_M, TILES_FULL, CHUNK_ROWS, RUN_ROWS, RUN_ROWS_LAST, N_BANDS, RANK_ROWS,
@@ -79,7 +82,7 @@ def _chunked_matmul_kernel(
     RUNS: tl.constexpr, X_DESC: tl.constexpr, W_MODE: tl.constexpr,
     HAS_SCALE: tl.constexpr, PRECISION: tl.constexpr, TRACE: tl.constexpr, FUSE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    FLATTEN: tl.constexpr, ASM_BARRIER: tl.constexpr,
+    FLATTEN: tl.constexpr, ASM_BARRIER: tl.constexpr, P_DESC: tl.constexpr,
 ):  # fmt: skip
     # One program per tile (grid = tiles), or fewer programs that each take every
     # `num_programs`-th tile in launch order (persistent: grid = SMs). Tile ids are launch
@@ -174,8 +177,12 @@ def _chunked_matmul_kernel(
                         flag = flags_ptr + s * bands_per_block + k
                         while tl.atomic_add(flag, 0, sem="acquire", scope="sys") - epoch < 0:
                             pass
-                        part = recv_ptr + s * block_elems + brow[:, None] * N + offs_n[None, :]
-                        acc += tl.load(part, mask=mask, other=0.0).to(tl.float32)
+                        if P_DESC:  # TMA: rows past the block are read, never stored
+                            part = recv_ref.load([s * block_rows + x_row0 - rank * block_rows, n0])
+                        else:
+                            ptrs = recv_ref + s * block_elems + brow[:, None] * N + offs_n[None, :]
+                            part = tl.load(ptrs, mask=mask, other=0.0)
+                        acc += part.to(tl.float32)
             orow = (x_row0 - out_row0 + offs_i).to(tl.int64)
             out_offs = orow[:, None] * N + offs_n[None, :]
             tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
@@ -288,11 +295,15 @@ def chunked_matmul(
         if not plan.blocked:
             raise ValueError("fuse needs a blocked plan (make_plan(blocked=True))")
         b = plan.bands_per_block
-        f_args = (fuse.out, fuse.recv, fuse.flags, signed32(fuse.epoch),
+        recv = fuse.recv.view(-1, N)  # [R * M / R, N]
+        p_desc = use_tma and fuse.add and _tma_ok(recv)
+        if p_desc:  # the peers' partials through TMA
+            recv = TensorDescriptor.from_tensor(recv, [t.block_m, t.block_n])
+        f_args = (fuse.out, recv, fuse.flags, signed32(fuse.epoch),
                   fuse.rank, R, (fuse.rank + 1) % R * b, b,
                   fuse.rank * (M // R) if plan.collective == "reduce_scatter" else 0)  # fmt: skip
     else:
-        f_args = (counters, counters, counters, 0, 0, R, 0, 1, 0)
+        f_args, p_desc = (counters, counters, counters, 0, 0, R, 0, 1, 0), False
     return _chunked_matmul_kernel[grid](
         x_ref, w_ref, p_flat, counters, trace if trace is not None else counters,
         bad_rows, bad_cols, *f_args,
@@ -307,6 +318,6 @@ def chunked_matmul(
         TRACE=trace is not None, FUSE=0 if fuse is None else 1 if fuse.add else 2,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=plan.group_m,
         FLATTEN=grid[0] < n_tiles if flatten is None else flatten,
-        ASM_BARRIER=x.is_cuda,
+        ASM_BARRIER=x.is_cuda, P_DESC=p_desc,
         num_warps=t.num_warps, num_stages=t.num_stages,
     )  # fmt: skip
