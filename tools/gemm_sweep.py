@@ -8,7 +8,8 @@ Usage: python tools/gemm_sweep.py OUT.json [--fp32] [--configs "BM,BN,BK,W,S[,MO
 MODE: ``grid`` (one program per tile, the default), ``persistent`` (one program per SM, each
 looping over tiles, the loop flattened), ``persistent_nf`` (not flattened); a ``fused_``
 prefix runs the copy-engine transport's kernel instead (blocked plan, rank 0 of 2, this
-rank's block adding a peer partial whose flags are already set). Each variant is timed
+rank's block adding a peer partial whose flags are already set), ``blocked_`` the plain kernel
+on the transport's blocked plan. Each variant is timed
 twice: ``ms`` by ``triton.testing.do_bench`` (back to back, L2 flushed) and ``queued_ms`` as
 ``overlap.bench`` times (a ~1 ms GPU sleep before each call, CUDA events around it; the
 functions take turns). Rows also hold the kernel's registers, spills and counts of some
@@ -70,10 +71,11 @@ def _variant(x, w, y, cfg, sms, dtype):
     N = w.shape[1]
     *tile, mode = cfg
     fused = mode.startswith("fused_")
-    mode = mode.removeprefix("fused_")
+    blocked = fused or mode.startswith("blocked_")
+    mode = mode.removeprefix("fused_").removeprefix("blocked_")
     plan = make_plan(
         M, N, K, world_size=2, collective="all_reduce", dtype_bits=dtype.itemsize * 8,
-        tiles=Tiles(*tile), blocked=fused, **({"chunks": 4} if fused else {}),
+        tiles=Tiles(*tile), blocked=blocked, **({"chunks": 4} if blocked else {}),
     )  # fmt: skip
     kw = dict(
         programs=None if mode == "grid" else sms,
