@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.compiler import CompiledKernel
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..plan import Plan
@@ -242,7 +243,7 @@ def chunked_matmul(
     fuse: Fuse | None = None,
     programs: int | None = None,
     flatten: bool | None = None,
-):
+) -> CompiledKernel | None:
     """Launch the GEMM of ``plan`` on the current stream.
 
     Args:
@@ -267,7 +268,9 @@ def chunked_matmul(
             other tiles. Measured on H200 in BENCHMARKS step 23.
         flatten: flatten the tile loop (None: when persistent; tuning runs).
 
-    Returns Triton's compiled kernel (``n_regs``, ``n_spills``, ``asm``: tools).
+    Returns:
+        Triton's compiled kernel (``n_regs``, ``n_spills``, ``asm``: for tools); None in
+        Triton's interpreter.
     """
     t = plan.tiles
     M, K = x.shape
