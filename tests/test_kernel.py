@@ -107,8 +107,10 @@ def test_nan_and_inf_land_where_the_product_has_them(dtype):
 
 
 @pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter", "all_to_all"])
-@pytest.mark.parametrize(("R", "rank", "shape"), [(2, 0, (128, 70, 48)), (2, 1, (200, 64, 40)),
-                                                  (3, 2, (192, 45, 33)), (3, 1, (192, 64, 33))])  # fmt: skip
+@pytest.mark.parametrize(
+    ("R", "rank", "shape"),
+    [(2, 0, (128, 70, 48)), (2, 1, (200, 64, 40)), (3, 2, (192, 45, 33)), (3, 1, (192, 64, 33))],
+)
 @pytest.mark.parametrize(("programs", "specials"), [(None, False), (3, False), (None, True)])
 def test_blocked_plan_fused_epilogue(collective, R, rank, shape, programs, specials):
     """The copy-engine transport's kernel on one rank: the peers' bands go to the slot buffer
