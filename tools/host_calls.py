@@ -6,8 +6,11 @@ call spends its host time on (NOTES.md: 0.3-0.95 ms per call on 2x H200).
 Times, in microseconds of host time per call (the GPU is kept busy by a sleep kernel so
 that no call waits for it): cuda-python's stream memory write and wait and ``cuMemcpyAsync``,
 the same three through ``ctypes`` on ``libcuda`` directly, one ``cuStreamBatchMemOp`` of 8
-writes, and the launch of the chunk GEMM (grid and persistent, with and without the fused
-epilogue) next to ``torch.matmul``'s.
+writes, and the launch of the chunk GEMM (grid, persistent, and the fused kernel on its
+grid) next to ``torch.matmul``'s; ``_driver()`` (the driver module, looked up for every
+driver call) uncached and cached; and the Python of the copy-engine transport's ``begin`` +
+``run`` for one call of rank 0 of 2, its driver calls stubbed out (a local buffer stands in
+for the symmetric one).
 """
 
 from __future__ import annotations
@@ -115,12 +118,21 @@ def main(out_path: str) -> None:
     recv = torch.zeros(2, M // 2, N, device="cuda", dtype=torch.bfloat16)
     kflags = torch.ones(64, dtype=torch.int32, device="cuda")  # epoch 1 already there
     fuse = Fuse(y, recv, kflags, 1, 0, True)
+    # (the fused kernel with its default tiles does not fit shared memory persistent)
     for name, p, kw in (("grid", plan, {}), ("persistent", plan, {"programs": sms}),
-                        ("fused grid", bplan, {"fuse": fuse}),
-                        ("fused persistent", bplan, {"fuse": fuse, "programs": sms})):  # fmt: skip
+                        ("fused grid", bplan, {"fuse": fuse})):  # fmt: skip
         chunked_matmul(x, w, y.view(-1), cnt, p, **kw)
         res[f"chunk GEMM launch, {name}"] = _per_call(
             lambda p=p, kw=kw: chunked_matmul(x, w, y.view(-1), cnt, p, **kw), n=50)  # fmt: skip
+    from overlap.signal import wait as wait_mod
+
+    for name, fn in (("_driver() uncached", wait_mod._driver.__wrapped__),
+                     ("_driver() cached", wait_mod._driver)):  # fmt: skip
+        t0 = time.perf_counter()
+        for _ in range(10000):
+            fn()
+        res[name] = (time.perf_counter() - t0) / 10000 * 1e6
+    res.update(_transport_python())
     t0 = time.perf_counter()
     for _ in range(200):
         torch.cuda.current_stream()
@@ -130,6 +142,49 @@ def main(out_path: str) -> None:
     for k, v in res.items():
         print(f"{k:45s} {v:.2f}" if isinstance(v, float) else f"{k:45s} {v}")
     json.dump(res, open(out_path, "w"), indent=1)
+
+
+def _transport_python() -> dict:
+    """Microseconds of Python per ``begin`` + ``run`` of the copy-engine transport (rank 0 of
+    2, driver calls stubbed), for the bench's large shapes' plans."""
+    from overlap.comm import peer as peer_mod
+    from overlap.comm.peer import _FLAGS_BYTES, PeerTransport
+    from overlap.plan import make_plan
+
+    class Stub:  # the driver calls the transport makes, doing nothing
+        class CUresult:
+            CUDA_SUCCESS = 0
+
+        class CUstreamWaitValue_flags:
+            CU_STREAM_WAIT_VALUE_GEQ = 1
+
+        CUstream = CUdeviceptr = staticmethod(lambda v: v)
+        cuMemcpyAsync = cuStreamWriteValue32 = cuStreamWaitValue32 = staticmethod(lambda *a: (0,))
+
+    real, peer_mod._driver = peer_mod._driver, lambda: Stub
+    res = {}
+    try:
+        for M, N, K in ((4096, 8192, 4096), (16384, 8192, 4096)):
+            for coll in ("all_reduce", "reduce_scatter"):
+                p = make_plan(M, N, K, world_size=2, collective=coll, dtype_bits=16, blocked=True)
+                t = object.__new__(PeerTransport)
+                t.group, t.device, t.rank, t.size, t.epoch, t.broken = None, None, 0, 2, 0, False
+                t.buf = torch.empty(_FLAGS_BYTES + 2 * M * N * 2, dtype=torch.uint8, device="cuda")
+                t.ptrs = [t.buf.data_ptr()] * 2
+                out = torch.empty(M if coll == "all_reduce" else M // 2, N, device="cuda",
+                                  dtype=torch.bfloat16)  # fmt: skip
+                p_flat = out.view(-1)
+                t.begin(p, torch.bfloat16, out)  # first-use imports (Triton) stay out of it
+                t0 = time.perf_counter()
+                for _ in range(500):
+                    t.begin(p, torch.bfloat16, out)
+                    t.run(p, p_flat, out, lambda c: None, 0)
+                us = (time.perf_counter() - t0) / 500 * 1e6
+                res[f"transport Python, {coll} {M}x{N}, {p.n_chunks} chunks"] = us
+                del t
+    finally:
+        peer_mod._driver = real
+    return res
 
 
 if __name__ == "__main__":
