@@ -8,9 +8,10 @@ that no call waits for it): cuda-python's stream memory write and wait and ``cuM
 the same three through ``ctypes`` on ``libcuda`` directly, one ``cuStreamBatchMemOp`` of 8
 writes, and the launch of the chunk GEMM (grid, persistent, and the fused kernel on its
 grid) next to ``torch.matmul``'s; ``_driver()`` (the driver module, looked up for every
-driver call) uncached and cached; and the Python of the copy-engine transport's ``begin`` +
-``run`` for one call of rank 0 of 2, its driver calls stubbed out (a local buffer stands in
-for the symmetric one).
+driver call) uncached and cached; the same ops queued behind a stream wait that is not met
+yet (as on a real call's communication stream); and the Python of the copy-engine
+transport's ``begin`` + ``run`` for one call of rank 0 of 2, its driver calls stubbed out (a
+local buffer stands in for the symmetric one).
 """
 
 from __future__ import annotations
@@ -89,6 +90,26 @@ def main(out_path: str) -> None:
     res["ctypes write"] = _per_call(lambda: wv(h, a, 0, 0))
     res["ctypes wait"] = _per_call(lambda: wt(h, a, 0, 0))
     res["ctypes copy 1MB"] = _per_call(lambda: cpy(dst.data_ptr(), src.data_ptr(), 1 << 20, h))
+
+    # The same ops queued behind a stream wait that is not met yet, as in a real call (the
+    # communication stream waits for the GEMM's counters): 16 rounds of wait, copy, write.
+    gate = torch.zeros(1, dtype=torch.int32, device="cuda")
+    q = torch.cuda.Stream()
+    qh, gp = drv.CUstream(q.cuda_stream), drv.CUdeviceptr(gate.data_ptr())
+    got = []
+    for rnd in range(5):
+        torch.cuda.synchronize()
+        target = rnd + 1
+        t0 = time.perf_counter()
+        for _ in range(16):
+            drv.cuStreamWaitValue32(qh, gp, target, geq)
+            drv.cuMemcpyAsync(drv.CUdeviceptr(dst.data_ptr()), drv.CUdeviceptr(src.data_ptr()),
+                              1 << 20, qh)  # fmt: skip
+            drv.cuStreamWriteValue32(qh, drv.CUdeviceptr(a), 0, 0)
+        got.append((time.perf_counter() - t0) / 48 * 1e6)
+        gate.fill_(target)  # on the default stream: releases q
+        torch.cuda.synchronize()
+    res["ops queued behind an unmet wait, us per op"] = sorted(got)[2]
 
     try:  # 8 flag writes in one batch
         ops = []
