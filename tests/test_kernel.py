@@ -63,6 +63,16 @@ def test_kernel_writes_every_slot(collective, dtype, shape, tma, programs):
     assert not counters.tensor[p.n_chunks :].any()
 
 
+def test_programs_must_be_positive():
+    p = make_plan(
+        64, 64, 32, world_size=2, collective="all_reduce", dtype_bits=32, interpreter=True, chunks=2
+    )
+    counters = ChunkCounters(torch.device("cpu"))
+    with pytest.raises(ValueError, match="programs"):
+        chunked_matmul(torch.randn(64, 32), torch.randn(32, 64), torch.empty(64 * 64),
+                       counters.tensor, p, programs=0)  # fmt: skip
+
+
 def test_counters_wrap_around():
     """Counters start just below 2**32; targets wrap and the cyclic compare still holds."""
     p = make_plan(
@@ -116,7 +126,8 @@ def test_blocked_plan_fused_epilogue(collective, R, rank, shape, programs, speci
     """The copy-engine transport's kernel on one rank: the peers' bands go to the slot buffer
     (standard rows), this rank's block goes to ``out`` with every peer's pushed partial added
     (all-to-all: stored as is); flags hold the epoch just below the 2**32 wrap. ``specials``:
-    NaN and Inf in x and w (fp32 redoes their tiles with one TF32 product, partials too)."""
+    NaN and Inf in x and w, this rank's block included: they must land where the product has
+    them, with the partials added to the rest."""
     from overlap.gemm import Fuse
 
     M, N, K = shape

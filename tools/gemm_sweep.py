@@ -27,6 +27,7 @@ from triton.testing import do_bench
 
 from overlap.gemm.matmul import Fuse, chunked_matmul
 from overlap.plan import Tiles, make_plan
+from overlap.tuner import time_queued
 
 SHAPES = [(4096, 8192, 4096), (8192, 8192, 14336), (16384, 8192, 4096), (8192, 4096, 4096)]
 # (block_m, block_n, block_k, num_warps, num_stages, mode)
@@ -45,17 +46,11 @@ def _ms(fn):
 
 def _queued(fns: dict, iters: int = 30) -> dict:
     """Median ms of each function timed as overlap.bench does, taking turns."""
+    dev = torch.device("cuda", torch.cuda.current_device())
     times = {k: [] for k in fns}
     for _ in range(iters):
         for k, fn in fns.items():
-            torch.cuda.synchronize()
-            torch.cuda._sleep(2_000_000)
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times[k].append(a.elapsed_time(b))
+            times[k].append(time_queued(fn, dev, None)[0])
     return {k: statistics.median(v) for k, v in times.items()}
 
 

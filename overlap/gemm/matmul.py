@@ -291,8 +291,10 @@ def chunked_matmul(
         w_ref, w_mode = TensorDescriptor.from_tensor(w.t(), [t.block_n, t.block_k]), W_NK
     elif use_tma and _tma_ok(w):
         w_ref, w_mode = TensorDescriptor.from_tensor(w, [t.block_k, t.block_n]), W_KN
+    if programs is not None and programs < 1:
+        raise ValueError(f"programs must be at least 1 (or None), got {programs}")
     n_tiles = plan.num_tile_rows * triton.cdiv(N, t.block_n)
-    grid = (n_tiles if programs is None else max(1, min(programs, n_tiles)),)
+    grid = (n_tiles if programs is None else min(programs, n_tiles),)
     R = plan.world_size
     if fuse is not None:
         if not plan.blocked:
