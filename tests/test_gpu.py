@@ -385,3 +385,81 @@ def _grads(rank, R, seed):
 def test_backward_two_gpus(monkeypatch):
     """Autograd through the overlapped forward (and the planner's plain path for M = 128)."""
     _on_two_gpus(monkeypatch, _grads, random.randrange(1 << 30))
+
+
+def _launch_memo(rank, R, seed):
+    """Launches that skip Triton's JIT (``matmul._launch``): every product right on fresh data,
+    and the kernel taken from the memo always the one Triton itself would pick."""
+    from test_kernel import _standard
+    from triton import knobs
+    from triton.runtime.jit import compute_cache_key
+
+    from overlap.gemm import Fuse, chunked_matmul
+    from overlap.gemm import matmul as mm
+    from overlap.plan import make_plan
+    from overlap.signal import ChunkCounters
+
+    dev = torch.device("cuda:0")
+    torch.cuda.set_device(dev)
+    g = torch.Generator(device=dev).manual_seed(seed)
+    seen, failures = [], []
+    real = mm._launch
+
+    def spy(grid, args, consts, warps, stages):
+        k = real(grid, args, consts, warps, stages)
+        kern = mm._chunked_matmul_kernel
+        cache, key_cache, _, _, binder = kern.device_caches[torch.cuda.current_device()]
+        mode = knobs.compilation.instrumentation_mode  # the JIT's run adds these two
+        _, spec, opts = binder(*args, **consts, num_warps=warps, num_stages=stages,
+                               debug=kern.debug or knobs.runtime.debug,
+                               instrumentation_mode=mode)  # fmt: skip
+        seen.append(cache.get(compute_cache_key(key_cache, spec, opts)) is k)
+        return k
+
+    mm._launch = spy
+    # (M, N, K, dtype, x column offset): the offset misaligns x's rows (pointer loads).
+    cases = [(1024, 768, 512, torch.bfloat16, 0), (1024, 768, 512, torch.bfloat16, 0),
+             (1024, 768, 512, torch.bfloat16, 1), (1000, 520, 264, torch.float16, 0),
+             (1024, 768, 512, torch.bfloat16, 0), (1024, 768, 512, torch.float32, 0),
+             (1000, 520, 264, torch.float16, 0)]  # fmt: skip
+    for i, (M, N, K, dtype, off) in enumerate(cases):
+        bits = 8 * dtype.itemsize
+        p = make_plan(M, N, K, world_size=2, collective="all_reduce", dtype_bits=bits, chunks=4)
+        x = torch.randn(M, K + off, device=dev, generator=g).to(dtype)[:, off:]
+        w = torch.randn(N, K, device=dev, generator=g).to(dtype).t()
+        flat = torch.full((M * N,), float("nan"), device=dev, dtype=dtype)
+        cnt = ChunkCounters(dev)
+        chunked_matmul(x, w, flat, cnt.tensor, p)
+        why = mismatch(_standard(p, flat.cpu()), (x.double() @ w.double()).cpu(), TOL[dtype])
+        if why or cnt.tensor[: p.n_chunks].tolist() != list(p.tiles_per_chunk):
+            failures.append(f"case {i} {cases[i]}: {why or 'counters'}")
+    # The copy-engine epilogue, twice (second launch from the memo): own block + partials.
+    M, N, K = 1024, 768, 512
+    bp = make_plan(M, N, K, world_size=2, collective="reduce_scatter", dtype_bits=16,
+                   blocked=True, chunks=4)  # fmt: skip
+    for i in range(2):
+        x = torch.randn(M, K, device=dev, generator=g, dtype=torch.bfloat16)
+        w = torch.randn(N, K, device=dev, generator=g, dtype=torch.bfloat16).t()
+        recv = torch.randn(2, M // 2, N, device=dev, generator=g, dtype=torch.bfloat16)
+        out = torch.full((M // 2, N), float("nan"), device=dev, dtype=torch.bfloat16)
+        flags = torch.full((64,), i + 1, device=dev, dtype=torch.int32)
+        cnt = ChunkCounters(dev)
+        chunked_matmul(x, w, torch.empty(M * N, device=dev, dtype=torch.bfloat16), cnt.tensor,
+                       bp, fuse=Fuse(out, recv, flags, i + 1, 0, True))  # fmt: skip
+        ref = (x.double() @ w.double())[: M // 2] + recv[1].double()
+        why = mismatch(out, ref, TOL[torch.bfloat16])
+        failures += [f"fused launch {i}: {why}"] if why else []
+    mm._launch = real
+    if not all(seen):
+        failures.append(f"memo's kernel is not Triton's choice at launches {seen}")
+    if len(mm._compiled) != 5:  # 4 distinct plain specializations (two bf16 repeats), 1 fused
+        failures.append(f"{len(mm._compiled)} memo entries, expected 5")
+    return failures
+
+
+def test_launch_memo_one_gpu(monkeypatch):
+    """One GPU: the launches that bypass Triton's JIT after the first."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    spawn(_launch_memo, 1, random.randrange(1 << 30))

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton import knobs
 from triton.compiler import CompiledKernel
 from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -213,6 +214,14 @@ def _tma_ok(t: torch.Tensor) -> bool:
     )
 
 
+def _descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
+    """``TensorDescriptor.from_tensor(t, block)`` without its checks, which ``_tma_ok`` has
+    made (they cost ~5 us of host time per descriptor)."""
+    d = object.__new__(TensorDescriptor)
+    d.base, d.shape, d.strides, d.block_shape, d.padding = t, t.shape, t.stride(), block, "zero"
+    return d
+
+
 @dataclass
 class Fuse:
     """The copy-engine transport's epilogue (``overlap/comm/peer.py``), for a blocked plan:
@@ -286,14 +295,14 @@ def chunked_matmul(
         bad_cols = (~torch.isfinite(w).all(dim=0)).to(torch.int8)
     x_ref, w_ref, w_mode = x, w, W_POINTER
     if use_tma and _tma_ok(x):
-        x_ref = TensorDescriptor.from_tensor(x, [t.block_m, t.block_k])
+        x_ref = _descriptor(x, [t.block_m, t.block_k])
     if use_tma and _tma_ok(w.t()):
-        w_ref, w_mode = TensorDescriptor.from_tensor(w.t(), [t.block_n, t.block_k]), W_NK
+        w_ref, w_mode = _descriptor(w.t(), [t.block_n, t.block_k]), W_NK
     elif use_tma and _tma_ok(w):
-        w_ref, w_mode = TensorDescriptor.from_tensor(w, [t.block_k, t.block_n]), W_KN
+        w_ref, w_mode = _descriptor(w, [t.block_k, t.block_n]), W_KN
     if programs is not None and programs < 1:
         raise ValueError(f"programs must be at least 1 (or None), got {programs}")
-    n_tiles = plan.num_tile_rows * triton.cdiv(N, t.block_n)
+    n_tiles = plan.num_tile_rows * -(-N // t.block_n)  # triton.cdiv costs ~5 us on the host
     grid = (n_tiles if programs is None else min(programs, n_tiles),)
     R = plan.world_size
     if fuse is not None:
@@ -303,13 +312,13 @@ def chunked_matmul(
         recv = fuse.recv.view(-1, N)  # [R * M / R, N]
         p_desc = use_tma and fuse.add and _tma_ok(recv)
         if p_desc:  # the peers' partials through TMA
-            recv = TensorDescriptor.from_tensor(recv, [t.block_m, t.block_n])
+            recv = _descriptor(recv, [t.block_m, t.block_n])
         f_args = (fuse.out, recv, fuse.flags, signed32(fuse.epoch),
                   fuse.rank, R, (fuse.rank + 1) % R * b, b,
                   fuse.rank * (M // R) if plan.collective == "reduce_scatter" else 0)  # fmt: skip
     else:
         f_args, p_desc = (counters, counters, counters, 0, 0, R, 0, 1, 0), False
-    return _chunked_matmul_kernel[grid](
+    args = (
         x_ref, w_ref, p_flat, counters, trace if trace is not None else counters,
         bad_rows, bad_cols, *f_args,
         M, N, K,
@@ -318,11 +327,65 @@ def chunked_matmul(
         plan.run_rows_last,
         plan.n_row_bands, plan.rank_block_rows, plan.chunk_cols, plan.n_col_bands, n_tiles,
         1.0 if scale is None else scale,
+    )  # fmt: skip
+    consts = dict(
         RUNS=plan.runs, X_DESC=x_ref is not x, W_MODE=w_mode,
         HAS_SCALE=scale is not None, PRECISION="tf32x3" if tf32x3 else "tf32",
         TRACE=trace is not None, FUSE=0 if fuse is None else 1 if fuse.add else 2,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=plan.group_m,
         FLATTEN=grid[0] < n_tiles if flatten is None else flatten,
         ASM_BARRIER=x.is_cuda, P_DESC=p_desc,
-        num_warps=t.num_warps, num_stages=t.num_stages,
     )  # fmt: skip
+    return _launch(grid[0], args, consts, t.num_warps, t.num_stages)
+
+
+_EPOCH_ARG = _chunked_matmul_kernel.arg_names.index("epoch")
+_compiled: dict[tuple, CompiledKernel] = {}  # _launch_key -> the kernel Triton compiled for it
+
+
+def _launch_key(args: tuple, consts: dict, num_warps: int, num_stages: int) -> tuple:
+    """What Triton's specialization of these arguments can depend on, and more: every integer
+    but the epoch by value (Triton specializes integers on == 1, divisibility by 16 and
+    width), tensors by dtype and 16-byte alignment, descriptors by everything but their
+    base's address (its alignment is kept), other arguments by type. Equal keys therefore
+    mean the same compiled kernel; unequal keys at worst go through Triton's JIT once more."""
+    key = []
+    for a in args:
+        t = type(a)
+        if t is int:
+            key.append(a)
+        elif t is TensorDescriptor:
+            b = a.base
+            key.append((b.dtype, b.data_ptr() % 16 == 0, *a.shape, *a.strides, *a.block_shape,
+                        a.padding))  # fmt: skip
+        elif isinstance(a, torch.Tensor):
+            key.append((a.dtype, a.data_ptr() % 16 == 0))
+        else:
+            key.append(t)
+    key[_EPOCH_ARG] = None  # do_not_specialize; signed32 keeps it an int32
+    return (*key, *consts.values(), num_warps, num_stages)
+
+
+def _launch(grid: int, args: tuple, consts: dict, num_warps: int, num_stages: int):
+    """Launch the kernel on ``grid`` programs on the current stream. The first launch of a
+    specialization goes through Triton's JIT (which compiles, caches and launches); later
+    ones call the compiled kernel's launcher directly, skipping the JIT's binding, cache
+    lookup and launch-hook bookkeeping (BENCHMARKS step 29). Launch hooks (profilers) and the
+    interpreter always take Triton's path."""
+    hooks = knobs.runtime.launch_enter_hook.calls or knobs.runtime.launch_exit_hook.calls
+    if knobs.runtime.interpret or hooks:
+        return _chunked_matmul_kernel[(grid,)](*args, **consts, num_warps=num_warps,
+                                               num_stages=num_stages)  # fmt: skip
+    key = _launch_key(args, consts, num_warps, num_stages)
+    k = _compiled.get(key)
+    if k is None:
+        k = _chunked_matmul_kernel[(grid,)](*args, **consts, num_warps=num_warps,
+                                            num_stages=num_stages)  # fmt: skip
+        _compiled[key] = k
+        return k
+    d = triton.runtime.driver.active
+    stream = d.get_current_stream(d.get_current_device())
+    names = _chunked_matmul_kernel.arg_names[len(args) :]  # the constexprs, in Triton's order
+    k.run(grid, 1, 1, stream, k.function, k.packed_metadata, None, None, None, *args,
+          *(consts[n] for n in names))  # fmt: skip
+    return k
