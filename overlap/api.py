@@ -329,8 +329,8 @@ def matmul_collective(
         out = torch.empty(shape, dtype=x.dtype, device=x.device)
     else:
         _check_out(out, shape, x)
-    x2 = x.reshape(M, p.K)
-    out2 = out.view(-1, N)
+    x2 = x if x.dim() == 2 else x.reshape(M, p.K)
+    out2 = out if out.dim() == 2 else out.view(-1, N)
     scale = 1.0 / R if op == "avg" and R > 1 else None
     ctx = None
     if R > 1 and (p.path == "overlap" or guard.validating()):
@@ -395,7 +395,9 @@ def _overlapped(x2, w, out2, p: Plan, scale, ctx: _Context, comm, trace=None) ->
         if trace is not None:
             trace.stamp(2 * c)
 
-    with torch.cuda.device(device) if x2.is_cuda else contextlib.nullcontext():
+    # (the device switch and the stream context cost host time: only where they do something)
+    other_device = x2.is_cuda and device.index != torch.cuda.current_device()
+    with torch.cuda.device(device) if other_device else contextlib.nullcontext():
         if s is not None:
             caller = torch.cuda.current_stream(device)
             s.wait_stream(caller)  # inputs and buffers are ready before `s` touches them
@@ -404,12 +406,13 @@ def _overlapped(x2, w, out2, p: Plan, scale, ctx: _Context, comm, trace=None) ->
         if not capturing:
             ctx.counters.commit(targets)
         try:
-            with torch.cuda.stream(s):
-                if peer is not None:
-                    peer.run(p, p_flat, out2, wait, s.cuda_stream)
-                else:
+            if peer is not None:  # driver calls on `s` itself: `s` need not be current
+                peer.run(p, p_flat, out2, wait, s)
+            else:
+                with torch.cuda.stream(s):  # NCCL issues on the current stream
                     run_chunks(p, comm, p_flat, out2, recv_flat, wait)
-                if trace is not None:
+            if trace is not None:
+                with torch.cuda.stream(s):
                     trace.stamp(2 * p.n_chunks - 1)
         finally:
             if s is not None:

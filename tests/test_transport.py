@@ -136,7 +136,7 @@ def _transports(kind, R, sim, start_epoch):
     for r in range(R):
         t = object.__new__(PeerTransport if kind == "peer" else HostTransport)
         t.group, t.device, t.rank, t.size = None, torch.device("cpu"), r, R
-        t.epoch, t.broken = start_epoch, False
+        t.epoch, t.broken, t._views = start_epoch, False, {}
         if kind == "peer":
             t.buf = torch.zeros(size, dtype=torch.uint8)
         else:
@@ -207,8 +207,7 @@ def _one_call(ts, sim, p, dtype, g):
         def wait(c, r=r, name=stream.cuda_stream):  # api's wait: the chunk's counter
             sim.ops[name].append(("counter", r, c))
 
-        sim.current = stream
-        t.run(p, p_flat, out, wait, stream.cuda_stream)
+        t.run(p, p_flat, out, wait, stream)
         outs.append(out)
     sim.run(kernels)
     total = sum(x.double() for x in parts)
@@ -236,8 +235,6 @@ def test_protocol_delivers_every_band(kind, collective, R, M, N, chunks, monkeyp
     fake = _Driver(sim)
     monkeypatch.setattr(peer_mod, "_driver", lambda: fake)
     monkeypatch.setattr(host_mod, "_driver", lambda: fake)
-    # HostTransport.run orders its two streams through the current stream: the comm stream
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: sim.current)
     g = torch.Generator().manual_seed(R * 1000 + M)
     ts = _transports(kind, R, sim, start_epoch=(1 << 32) - 2)  # the calls cross 2**32
     p = make_plan(M, N, 8, world_size=R, collective=collective, dtype_bits=32, interpreter=True,

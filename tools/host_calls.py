@@ -25,6 +25,7 @@ import json
 import pstats
 import sys
 import time
+import types
 
 import torch
 
@@ -233,6 +234,8 @@ def _transport_python() -> dict:
                 p = make_plan(M, N, K, world_size=2, collective=coll, dtype_bits=16, blocked=True)
                 t = object.__new__(PeerTransport)
                 t.group, t.device, t.rank, t.size, t.epoch, t.broken = None, None, 0, 2, 0, False
+                t._views = {}
+                stream = types.SimpleNamespace(cuda_stream=0)  # run reads its handle
                 t.buf = torch.empty(_FLAGS_BYTES + 2 * M * N * 2, dtype=torch.uint8, device="cuda")
                 t.ptrs = [t.buf.data_ptr()] * 2
                 out = torch.empty(M if coll == "all_reduce" else M // 2, N, device="cuda",
@@ -242,7 +245,7 @@ def _transport_python() -> dict:
                 t0 = time.perf_counter()
                 for _ in range(500):
                     t.begin(p, torch.bfloat16, out)
-                    t.run(p, p_flat, out, lambda c: None, 0)
+                    t.run(p, p_flat, out, lambda c: None, stream)
                 us = (time.perf_counter() - t0) / 500 * 1e6
                 res[f"transport Python, {coll} {M}x{N}, {p.n_chunks} chunks"] = us
                 del t

@@ -115,24 +115,27 @@ class HostTransport(PeerTransport):
         if self.recv is None or self.recv.numel() < n:
             torch.cuda.synchronize(self.device)  # the old slots may still be read or written
             self.recv = torch.empty(n, dtype=torch.uint8, device=self.device)
-        return receive_slots(self.recv, p, dtype), self.dflags[self.size :]
+        key = (self.recv.data_ptr(), p, dtype)
+        if key not in self._views:
+            self._views[key] = receive_slots(self.recv, p, dtype), self.dflags[self.size :]
+        return self._views[key]
 
-    def run(self, p: Plan, p_flat: torch.Tensor, out2: torch.Tensor, wait, stream: int) -> None:
+    def run(self, p: Plan, p_flat: torch.Tensor, out2: torch.Tensor, wait, stream) -> None:
         """Sends on ``stream`` (``_send``); receives on a second stream, so that both
         directions of the PCIe link work at once: each band of this rank's block after its
         flag in host memory, into the device receive slot and the kernel's flag (reduce-scatter,
         all-reduce) or into ``out2`` (all-to-all); all-reduce's gathered bands into ``out2``.
         ``stream`` then waits for the second stream."""
         rs = self.recv_stream
-        rs.wait_stream(torch.cuda.current_stream(self.device))
-        self._send(p, p_flat, out2, wait, stream, None)
+        rs.wait_stream(stream)
+        self._send(p, p_flat, out2, wait, stream.cuda_stream, None)
         into = self.recv.data_ptr() if p.collective != "all_to_all" else 0
         for k in range(p.bands_per_block):
             self._receive(p, out2, k, rs.cuda_stream, into)
         if p.collective == "all_reduce":
             for k in range(p.bands_per_block):
                 self._receive(p, out2, k, rs.cuda_stream)
-        torch.cuda.current_stream(self.device).wait_stream(rs)
+        stream.wait_stream(rs)
 
     def _local_flags(self) -> list[int]:
         dev = self.dflags.data_ptr()

@@ -120,6 +120,7 @@ class PeerTransport:
         self.broken = False
         self.buf: torch.Tensor | None = None  # uint8, local view of the symmetric buffer
         self.ptrs: list[int] = []  # every rank's buffer, mapped here
+        self._views: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # _prepare's
 
     # -- buffer ------------------------------------------------------------------------------
     def _ensure(self, nbytes: int) -> None:
@@ -157,10 +158,13 @@ class PeerTransport:
     # -- one call ----------------------------------------------------------------------------
     def _prepare(self, p: Plan, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Buffers sized for ``p``; returns what the kernel reads: this rank's receive slots
-        ``[R, B, N]`` and its ARRIVED flags."""
+        ``[R, B, N]`` and its ARRIVED flags (views made once per buffer, plan and dtype)."""
         self._ensure(slot_bytes(p, dtype))
-        flags = self.buf[:_FLAGS_BYTES].view(torch.int32)[self.size :]
-        return receive_slots(self.buf[_FLAGS_BYTES:], p, dtype), flags
+        key = (self.buf.data_ptr(), p, dtype)
+        if key not in self._views:
+            flags = self.buf[:_FLAGS_BYTES].view(torch.int32)[self.size :]
+            self._views[key] = receive_slots(self.buf[_FLAGS_BYTES:], p, dtype), flags
+        return self._views[key]
 
     def begin(self, p: Plan, dtype: torch.dtype, out2: torch.Tensor):
         """Before the GEMM launches (on the host): size the buffers, open the next epoch, and
@@ -258,15 +262,16 @@ class PeerTransport:
             if own is not None:
                 own(k)
 
-    def run(self, p: Plan, p_flat: torch.Tensor, out2: torch.Tensor, wait, stream: int) -> None:
-        """All of it on ``stream`` (the communication stream): ``_send``, and after each own
-        band (all-reduce, all-to-all) the peers' bands of it copied into ``out2`` as their
-        flags arrive (``_receive``). Reduce-scatter receives nothing here: the kernel reads
-        the receive slots. Every copy is a copy engine's; the caller waits for ``stream``."""
-        own = None
+    def run(self, p: Plan, p_flat: torch.Tensor, out2: torch.Tensor, wait, stream) -> None:
+        """All of it on ``stream`` (the communication stream, a ``torch.cuda.Stream``; it
+        need not be current): ``_send``, and after each own band (all-reduce, all-to-all) the
+        peers' bands of it copied into ``out2`` as their flags arrive (``_receive``).
+        Reduce-scatter receives nothing here: the kernel reads the receive slots. Every copy
+        is a copy engine's; the caller waits for ``stream``."""
+        h, own = stream.cuda_stream, None
         if p.collective != "reduce_scatter":
-            own = lambda k: self._receive(p, out2, k, stream)  # noqa: E731
-        self._send(p, p_flat, out2, wait, stream, own)
+            own = lambda k: self._receive(p, out2, k, h)  # noqa: E731
+        self._send(p, p_flat, out2, wait, h, own)
 
     def kernel_flag(self, index: int) -> int:
         """Address of the kernel's ARRIVED flag ``index`` (``s * b + k``) on this rank."""
