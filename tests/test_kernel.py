@@ -75,28 +75,29 @@ def test_kernel_writes_every_slot(collective, dtype, shape, tma, programs):
     ],
 )
 def test_stream_k(collective, shape, stream_k, sk_tiles, programs):
-    """Stream-K pieces meet in a NaN-poisoned workspace; every tile is stored once, counters
-    exact, the per-tile counters back at zero."""
+    """Stream-K pieces are added up in the workspace; every tile is stored once, counters
+    exact, the workspace and the per-tile counters back at zero (two launches: the second
+    reuses them)."""
     from overlap.gemm import matmul as mm
 
     M, N, K = shape
     p = make_plan(M, N, K, world_size=2, collective=collective, dtype_bits=16, interpreter=True,
                   chunks=3)  # fmt: skip
-    ws = torch.full((2 * stream_k * p.tiles.block_m * p.tiles.block_n,), float("nan"))
+    ws = torch.zeros(64 * p.tiles.block_m * p.tiles.block_n)
     counts = torch.zeros(1024, dtype=torch.int32)
     mm._sk_scratch[("cpu", 0)] = ws, counts
-    x = torch.randn(M, K).half()
-    w = torch.randn(N, K).half().t()
-    flat = torch.full((M * N,), float("nan"), dtype=torch.float16)
-    c = ChunkCounters(torch.device("cpu"))
-    chunked_matmul(x, w, flat, c.tensor, p, scale=0.5, stream_k=stream_k,
-                   stream_k_tiles=sk_tiles, programs=programs)  # fmt: skip
-    assert mm._sk_scratch[("cpu", 0)][0] is ws, "the launch did not use stream-K"
-    assert not ws.isnan().all(), "no piece went through the workspace"
-    why = mismatch(_standard(p, flat), 0.5 * (x.double() @ w.double()), TOL[torch.float16])
-    assert why is None, why
-    assert c.tensor[: p.n_chunks].tolist() == list(p.tiles_per_chunk)
-    assert not counts.any()
+    for _ in range(2):
+        x = torch.randn(M, K).half()
+        w = torch.randn(N, K).half().t()
+        flat = torch.full((M * N,), float("nan"), dtype=torch.float16)
+        c = ChunkCounters(torch.device("cpu"))
+        chunked_matmul(x, w, flat, c.tensor, p, scale=0.5, stream_k=stream_k,
+                       stream_k_tiles=sk_tiles, programs=programs)  # fmt: skip
+        assert mm._sk_scratch[("cpu", 0)][0] is ws, "the launch did not use stream-K"
+        why = mismatch(_standard(p, flat), 0.5 * (x.double() @ w.double()), TOL[torch.float16])
+        assert why is None, why
+        assert c.tensor[: p.n_chunks].tolist() == list(p.tiles_per_chunk)
+        assert not counts.any() and not ws.any(), "stream-K state not reset"
 
 
 def test_stream_k_arguments():
