@@ -75,7 +75,7 @@ def _after_cta_barrier(value, ASM: tl.constexpr):
 
 @triton.jit
 def _tile(
-    pid, k_lo, k_hi, sk_tile, ws_ptr, sk_count_ptr, SK_W,
+    pid, k_lo, k_hi, sk_tile, sk_prog, sk_first, ws_ptr, ws_desc, sk_count_ptr, SK_W,
     x_ref, w_ref, p_ptr, counter_ptr, trace_ptr, bad_rows_ptr, bad_cols_ptr,
     out_ptr, recv_ref, flags_ptr, epoch, rank, world, shift, bands_per_block, out_row0,
     M, N, K,
@@ -159,8 +159,9 @@ def _tile(
 
     last = True
     if SK:  # a piece of a tile's K loop (stream-K): the last piece to finish stores the tile
-        acc, last = _sk_fixup(acc, sk_tile, SK_W, ws_ptr, sk_count_ptr, SK_PROGS, BLOCK_M,
-                              BLOCK_N, tl.cdiv(K, BLOCK_K), ASM_BARRIER)  # fmt: skip
+        acc, last = _sk_fixup(acc, sk_tile, sk_prog, sk_first, SK_W, ws_ptr, ws_desc,
+                              sk_count_ptr, SK_PROGS, BLOCK_M, BLOCK_N, tl.cdiv(K, BLOCK_K),
+                              ASM_BARRIER)  # fmt: skip
     if last:
         _epilogue(
             acc, x_row0, valid_rows, n0, band_a, launch_a, band_b, row0, col0, band_rows,
@@ -227,31 +228,48 @@ def _epilogue(
 
 
 @triton.jit
+def _proxy_fence(value, ASM: tl.constexpr):
+    """``value``, after ``fence.proxy.async.global`` (GPU): generic-proxy writes this thread
+    has acquired become visible to its later TMA (async-proxy) reads."""
+    if ASM:
+        value = tl.inline_asm_elementwise(
+            "fence.proxy.async.global;\n mov.b32 $0, $1;", "=r,r", [value], dtype=tl.int32,
+            is_pure=False, pack=1,
+        )  # fmt: skip
+    return value
+
+
+@triton.jit
 def _sk_fixup(
-    acc, tile, W, ws_ptr, count_ptr, P: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, KT, ASM_BARRIER: tl.constexpr,
+    acc, tile, prog, first, W, ws_ptr, ws_desc, count_ptr, P: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KT, ASM_BARRIER: tl.constexpr,
 ):  # fmt: skip
-    """Stream-K: ``acc`` is one program's piece of stream-K tile ``tile``. The programs split
-    the ``W`` K-block iterations of the stream-K tiles evenly (program j: iterations
+    """Stream-K: ``acc`` is program ``prog``'s piece of stream-K tile ``tile``. The programs
+    split the ``W`` K-block iterations of the stream-K tiles evenly (program j: iterations
     ``[j W // P, (j + 1) W // P)``, at least one each: ``chunked_matmul`` checks ``W >= P``),
-    so how many programs share a tile is known. Each adds its piece into the tile's fp32
-    workspace (zero between launches) with atomic adds, then counts itself on the tile's
-    counter; the one that arrives last reads the sum, zeroes the workspace and the counter
-    for the next launch and gets ``last``: it stores the tile. No program waits for another.
-    A tile that one program covers whole skips all of this. (Pieces in per-program slots,
-    added by the last program, held a second tile in registers: 255 registers and spills.)"""
+    so which programs share a tile is known. Each stores its piece in its fp32 workspace
+    slot (``2 j``: its first tile, ``2 j + 1``: its last), then counts itself on the tile's
+    counter; the one that arrives last adds the others' pieces (TMA loads through
+    ``ws_desc``), resets the counter for the next launch and gets ``last``: it stores the
+    tile. No program waits for another. A tile that one program covers whole skips all of
+    this. (Measured on H200, BENCHMARKS step 30: pointer loads of the pieces held a second
+    tile's addresses in registers, 255 registers and spills; atomic adds into one workspace
+    tile per stream-K tile cost ~20 us per piece.)"""
     lo = ((tile * KT + 1) * P + W - 1) // W - 1  # program of the tile's first iteration
     hi = ((tile + 1) * KT * P + W - 1) // W - 1  # and of its last
     last = lo <= hi  # True
     if hi > lo:
         offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        ptrs = ws_ptr + tl.cast(tile, tl.int64) * (BLOCK_M * BLOCK_N) + offs
-        tl.atomic_add(ptrs, acc, sem="relaxed", scope="gpu")
-        others = _after_cta_barrier(hi - lo, ASM_BARRIER)  # every piece added, then counted
+        slot = 2 * prog + tl.where(first, 0, 1)
+        tl.store(ws_ptr + tl.cast(slot, tl.int64) * (BLOCK_M * BLOCK_N) + offs, acc)
+        others = _after_cta_barrier(hi - lo, ASM_BARRIER)  # every piece stored, then counted
         last = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu") == others
         if last:
-            acc = tl.load(ptrs, cache_modifier=".cg")  # from L2: other SMs added to it
-            tl.store(ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32))
+            lo = _proxy_fence(lo, ASM_BARRIER)
+            for q in range(lo, hi + 1):
+                if q != prog:
+                    q_slot = 2 * q + tl.where((q * W // P) // KT == tile, 0, 1)
+                    acc += ws_desc.load([q_slot * BLOCK_M, 0])
             tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
     return acc, last
 
@@ -264,7 +282,7 @@ def _chunked_matmul_kernel(
     stride_xm, stride_xk, stride_wk, stride_wn,
     NUM_PID_M, TILES_FULL, CHUNK_ROWS, RUN_ROWS, RUN_ROWS_LAST, N_BANDS, RANK_ROWS,
     CHUNK_COLS,
-    N_COL_BANDS, N_TILES, scale, ws_ptr, sk_count_ptr, SK_TILES,
+    N_COL_BANDS, N_TILES, scale, ws_ptr, ws_desc, sk_count_ptr, SK_TILES,
     RUNS: tl.constexpr, X_DESC: tl.constexpr, W_MODE: tl.constexpr,
     HAS_SCALE: tl.constexpr, PRECISION: tl.constexpr, TRACE: tl.constexpr, FUSE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -286,7 +304,7 @@ def _chunked_matmul_kernel(
         n_dp = N_TILES - SK_TILES
     for pid in tl.range(pid0, n_dp, nprog, flatten=FLATTEN):
         _tile(
-            pid, 0, KT, 0, ws_ptr, sk_count_ptr, 0,
+            pid, 0, KT, 0, 0, False, ws_ptr, ws_desc, sk_count_ptr, 0,
             x_ref, w_ref, p_ptr, counter_ptr, trace_ptr, bad_rows_ptr, bad_cols_ptr,
             out_ptr, recv_ref, flags_ptr, epoch, rank, world, shift, bands_per_block, out_row0,
             M, N, K, stride_xm, stride_xk, stride_wk, stride_wn,
@@ -307,7 +325,7 @@ def _chunked_matmul_kernel(
                 k_lo = it - u * KT
                 k_hi = tl.minimum(KT, k_lo + it1 - it)
                 _tile(
-                    n_dp + u, k_lo, k_hi, u, ws_ptr, sk_count_ptr, W,
+                    n_dp + u, k_lo, k_hi, u, j, it == it0, ws_ptr, ws_desc, sk_count_ptr, W,
                     x_ref, w_ref, p_ptr, counter_ptr, trace_ptr, bad_rows_ptr, bad_cols_ptr,
                     out_ptr, recv_ref, flags_ptr, epoch, rank, world, shift, bands_per_block,
                     out_row0, M, N, K, stride_xm, stride_xk, stride_wk, stride_wn,
@@ -334,15 +352,15 @@ _sk_scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # (device, str
 
 
 def _sk_buffers(device: torch.device, elems: int, tiles: int):
-    """Stream-K's fp32 workspace (``elems``: the stream-K tiles' elements) and per-tile
-    counters, both zero between launches (the last piece of a tile zeroes its part), kept
-    per (device, stream): launches on one stream run one after another, so they can share
-    them; growing them is stream-ordered by torch's allocator."""
+    """Stream-K's fp32 workspace (``elems``: two tiles per program) and per-tile counters
+    (zero between launches: the last piece of a tile resets its counter), kept per (device,
+    stream): launches on one stream run one after another, so they can share them; growing
+    them is stream-ordered by torch's allocator."""
     stream = current_raw_stream(device) if device.type == "cuda" else 0
     key = (str(device), stream)
     ws, counts = _sk_scratch.get(key, (None, None))
     if ws is None or ws.numel() < elems:
-        ws = torch.zeros(elems, dtype=torch.float32, device=device)
+        ws = torch.empty(elems, dtype=torch.float32, device=device)
     if counts is None or counts.numel() < tiles:
         counts = torch.zeros(max(tiles, 1024), dtype=torch.int32, device=device)
     _sk_scratch[key] = ws, counts
@@ -416,8 +434,8 @@ def chunked_matmul(
         stream_k: split the K loops of the last ``stream_k_tiles`` tiles (default: tiles %
             ``stream_k``, the last partial wave) evenly over ``stream_k`` programs, which the
             grid gets in addition (persistent: the last ``stream_k`` programs, so
-            ``programs >= stream_k``). Pieces of a tile are added up in a workspace; the last
-            to finish stores the tile (``_sk_fixup``). Not with ``fuse``, ``trace``, fp32
+            ``programs >= stream_k``). Pieces of a tile meet in a workspace; the last to finish
+            adds them up and stores the tile (``_sk_fixup``). Not with ``fuse``, ``trace``, fp32
             inputs, or fewer K iterations than programs: those launch without it. 0: off.
 
     Returns:
@@ -459,9 +477,10 @@ def chunked_matmul(
         grid = (min(programs, n_tiles),)
         if grid[0] < stream_k:
             sk_tiles = 0
-    ws = sk_counts = counters  # unused without stream-K
+    ws = ws_desc = sk_counts = counters  # unused without stream-K
     if sk_tiles:
-        ws, sk_counts = _sk_buffers(x.device, sk_tiles * t.block_m * t.block_n, sk_tiles)
+        ws, sk_counts = _sk_buffers(x.device, 2 * stream_k * t.block_m * t.block_n, sk_tiles)
+        ws_desc = _descriptor(ws.view(-1, t.block_n), [t.block_m, t.block_n])
     R = plan.world_size
     if fuse is not None:
         if not plan.blocked:
@@ -484,7 +503,7 @@ def chunked_matmul(
         plan.num_tile_rows, plan.band_tile_rows(0), plan.chunk_rows, plan.run_rows,
         plan.run_rows_last,
         plan.n_row_bands, plan.rank_block_rows, plan.chunk_cols, plan.n_col_bands, n_tiles,
-        1.0 if scale is None else scale, ws, sk_counts, sk_tiles,
+        1.0 if scale is None else scale, ws, ws_desc, sk_counts, sk_tiles,
     )  # fmt: skip
     consts = dict(
         RUNS=plan.runs, X_DESC=x_ref is not x, W_MODE=w_mode,
