@@ -63,52 +63,6 @@ def test_kernel_writes_every_slot(collective, dtype, shape, tma, programs):
     assert not counters.tensor[p.n_chunks :].any()
 
 
-@pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter"])
-@pytest.mark.parametrize(
-    ("shape", "stream_k", "sk_tiles", "programs"),
-    [
-        ((200, 70, 200), 5, None, None),  # tiles % 5 (1 or 4 here): pieces of 1-2 K blocks
-        ((200, 70, 200), 5, 2, 5),  # persistent
-        ((200, 70, 200), 4, 5, None),  # more than a wave: programs also take whole tiles
-        ((130, 97, 300), 7, 12, None),  # 17-18 K blocks each: whole tiles and pieces
-        ((96, 64, 64), 4, 3, None),  # 2 K blocks per tile
-    ],
-)
-def test_stream_k(collective, shape, stream_k, sk_tiles, programs):
-    """Stream-K pieces meet in a NaN-poisoned workspace; every tile is stored once, counters
-    exact, the per-tile counters back at zero (two launches: the second reuses them)."""
-    from overlap.gemm import matmul as mm
-
-    M, N, K = shape
-    p = make_plan(M, N, K, world_size=2, collective=collective, dtype_bits=16, interpreter=True,
-                  chunks=3)  # fmt: skip
-    ws = torch.full((64 * p.tiles.block_m * p.tiles.block_n,), float("nan"))
-    counts = torch.zeros(1024, dtype=torch.int32)
-    mm._sk_scratch[("cpu", 0)] = ws, counts
-    for _ in range(2):
-        x = torch.randn(M, K).half()
-        w = torch.randn(N, K).half().t()
-        flat = torch.full((M * N,), float("nan"), dtype=torch.float16)
-        c = ChunkCounters(torch.device("cpu"))
-        chunked_matmul(x, w, flat, c.tensor, p, scale=0.5, stream_k=stream_k,
-                       stream_k_tiles=sk_tiles, programs=programs)  # fmt: skip
-        assert mm._sk_scratch[("cpu", 0)][0] is ws, "the launch did not use stream-K"
-        why = mismatch(_standard(p, flat), 0.5 * (x.double() @ w.double()), TOL[torch.float16])
-        assert why is None, why
-        assert c.tensor[: p.n_chunks].tolist() == list(p.tiles_per_chunk)
-        assert not counts.any(), "stream-K counters not reset"
-
-
-def test_stream_k_arguments():
-    p = make_plan(
-        64, 64, 32, world_size=2, collective="all_reduce", dtype_bits=32, interpreter=True, chunks=2
-    )
-    counters = ChunkCounters(torch.device("cpu"))
-    with pytest.raises(ValueError, match="stream_k"):
-        chunked_matmul(torch.randn(64, 32), torch.randn(32, 64), torch.empty(64 * 64),
-                       counters.tensor, p, programs=3, stream_k=4)  # fmt: skip
-
-
 def test_programs_must_be_positive():
     p = make_plan(
         64, 64, 32, world_size=2, collective="all_reduce", dtype_bits=32, interpreter=True, chunks=2

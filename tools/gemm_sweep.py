@@ -6,9 +6,7 @@ Usage: python tools/gemm_sweep.py OUT.json [--fp32] [--configs "BM,BN,BK,W,S[,MO
     [--ir FILE]  (append each variant's TTGIR on the first shape to FILE)
 
 MODE: ``grid`` (one program per tile, the default), ``persistent`` (one program per SM, each
-looping over tiles, the loop flattened), ``persistent_nf`` (not flattened); a ``_sk`` suffix
-adds stream-K over one program per SM for the last partial wave of tiles, ``_sk2`` for that
-wave and one more (``chunked_matmul(stream_k=...)``); a ``fused_``
+looping over tiles, the loop flattened), ``persistent_nf`` (not flattened); a ``fused_``
 prefix runs the copy-engine transport's kernel instead (blocked plan, rank 0 of 2, this
 rank's block adding a peer partial whose flags are already set), ``blocked_`` the plain kernel
 on the transport's blocked plan. Each variant is timed
@@ -70,8 +68,6 @@ def _variant(x, w, y, cfg, sms, dtype):
     fused = mode.startswith("fused_")
     blocked = fused or mode.startswith("blocked_")
     mode = mode.removeprefix("fused_").removeprefix("blocked_")
-    sk = 2 if mode.endswith("_sk2") else 1 if mode.endswith("_sk") else 0
-    mode = mode.removesuffix("_sk2").removesuffix("_sk")
     plan = make_plan(
         M, N, K, world_size=2, collective="all_reduce", dtype_bits=dtype.itemsize * 8,
         tiles=Tiles(*tile), blocked=blocked, **({"chunks": 4} if blocked else {}),
@@ -80,11 +76,6 @@ def _variant(x, w, y, cfg, sms, dtype):
         programs=None if mode == "grid" else sms,
         flatten=False if mode.endswith("_nf") else None,
     )
-    if sk:  # stream-K over one program per SM: the last partial wave (_sk) or one more (_sk2)
-        kw["stream_k"] = sms
-        if sk == 2:
-            tiles = plan.num_tile_rows * -(-N // tile[1])
-            kw["stream_k_tiles"] = tiles % sms + sms
     cnt = torch.zeros(64, dtype=torch.int32, device="cuda")
     p = torch.full((M * N,), float("nan"), device="cuda", dtype=dtype)
     out = torch.full((M, N), float("nan"), device="cuda", dtype=dtype)

@@ -32,7 +32,6 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..plan import Plan
 from ..signal.counters import signed32
-from ..signal.wait import current_raw_stream
 
 W_POINTER, W_NK, W_KN = 0, 1, 2  # how the kernel reads w: pointers, TMA on [N, K], on [K, N]
 
@@ -73,207 +72,6 @@ def _after_cta_barrier(value, ASM: tl.constexpr):
     return value
 
 
-@triton.jit
-def _tile(
-    pid, k_lo, k_hi, sk_tile, sk_prog, sk_first, ws_ptr, ws_desc, sk_count_ptr, SK_W,
-    x_ref, w_ref, p_ptr, counter_ptr, trace_ptr, bad_rows_ptr, bad_cols_ptr,
-    out_ptr, recv_ref, flags_ptr, epoch, rank, world, shift, bands_per_block, out_row0,
-    M, N, K,
-    stride_xm, stride_xk, stride_wk, stride_wn,
-    NUM_PID_M, TILES_FULL, CHUNK_ROWS, RUN_ROWS, RUN_ROWS_LAST, N_BANDS, RANK_ROWS,
-    CHUNK_COLS, N_COL_BANDS, scale,
-    SK: tl.constexpr, SK_PROGS: tl.constexpr,
-    RUNS: tl.constexpr, X_DESC: tl.constexpr, W_MODE: tl.constexpr,
-    HAS_SCALE: tl.constexpr, PRECISION: tl.constexpr, TRACE: tl.constexpr, FUSE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    ASM_BARRIER: tl.constexpr, P_DESC: tl.constexpr,
-):  # fmt: skip
-    """Tile ``pid`` (launch order) over the K blocks ``[k_lo, k_hi)``: all of them, or with
-    ``SK`` one stream-K piece (``_sk_fixup``)."""
-    if TRACE:  # tools/timeline.py: when each tile starts and ends, its SM and chunk
-        tl.store(trace_ptr + 4 * pid, tl.extra.cuda.globaltimer())
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_pid_in_group = GROUP_M * num_pid_n
-    group_id = pid // num_pid_in_group
-    first_pid_m = group_id * GROUP_M
-    group_size_m = min(NUM_PID_M - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
-    pid_n = (pid % num_pid_in_group) // group_size_m
-
-    # Tile row pid_m -> row band a, run r (rank block) within it, tile t within the run.
-    # TILES_FULL: tile rows of a full band; the last band has as many or fewer.
-    launch_a = tl.minimum(pid_m // TILES_FULL, N_BANDS - 1)  # bands finish in launch order
-    band_a = launch_a
-    if FUSE > 0:  # blocked plan (equal bands): start at band `shift`, this rank's block last
-        band_a = (launch_a + shift) % N_BANDS
-    run_rows = tl.where(band_a == N_BANDS - 1, RUN_ROWS_LAST, RUN_ROWS)
-    tiles_per_run = tl.cdiv(run_rows, BLOCK_M)
-    local = pid_m - launch_a * TILES_FULL
-    run = local // tiles_per_run
-    t = local - run * tiles_per_run
-    x_row0 = run * RANK_ROWS + band_a * RUN_ROWS + t * BLOCK_M
-    valid_rows = tl.minimum(BLOCK_M, run_rows - t * BLOCK_M)
-    band_b = (pid_n * BLOCK_N) // CHUNK_COLS
-    row0 = band_a * CHUNK_ROWS  # first slot row of the band
-    col0 = band_b * CHUNK_COLS
-    band_rows = run_rows * RUNS
-    band_cols = tl.minimum(CHUNK_COLS, N - col0)
-    slot_row0 = row0 + run * run_rows + t * BLOCK_M
-
-    n0 = pid_n * BLOCK_N
-    offs_k = tl.arange(0, BLOCK_K)
-    # Rows past M read row M - 1 (never stored): no M mask inside the loop.
-    offs_xm = tl.minimum(x_row0 + tl.arange(0, BLOCK_M), M - 1)
-    x_ptrs = x_ref  # unused with a descriptor
-    if not X_DESC:
-        x_ptrs += offs_xm.to(tl.int64)[:, None] * stride_xm + offs_k[None, :] * stride_xk
-    w_ptrs = w_ref
-    offs_wn = (n0 + tl.arange(0, BLOCK_N)) % N  # % keeps contiguity info (tl.where loses it)
-    if W_MODE == 0:
-        w_ptrs += offs_k[:, None] * stride_wk + offs_wn.to(tl.int64)[None, :] * stride_wn
-
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(k_lo, k_hi):
-        a, b = _load_ab(
-            x_ref, w_ref, x_ptrs, w_ptrs, k, K, x_row0, n0, offs_k, stride_xk, stride_wk,
-            X_DESC, W_MODE, BLOCK_K,
-        )  # fmt: skip
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)  # 16-bit inputs ignore it
-
-    if PRECISION == "tf32x3":
-        # Three TF32 products give fp32 accuracy but turn every Inf into NaN (inf - inf in
-        # the split). A product element is Inf or NaN iff its x row or its w column holds
-        # one; tiles that have such rows or columns redo them with one TF32 product, which
-        # keeps IEEE's Inf and NaN (the finite parts there do not matter).
-        bad_r = tl.load(bad_rows_ptr + offs_xm)
-        bad_c = tl.load(bad_cols_ptr + offs_wn)
-        if tl.max(bad_r, axis=0) + tl.max(bad_c, axis=0) > 0:
-            ieee = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for k in range(0, tl.cdiv(K, BLOCK_K)):
-                a, b = _load_ab(
-                    x_ref, w_ref, x_ptrs, w_ptrs, k, K, x_row0, n0, offs_k, stride_xk,
-                    stride_wk, X_DESC, W_MODE, BLOCK_K,
-                )  # fmt: skip
-                ieee = tl.dot(a, b, ieee, input_precision="tf32")
-            acc = tl.where((bad_r[:, None] + bad_c[None, :]) > 0, ieee, acc)
-
-    last = True
-    if SK:  # a piece of a tile's K loop (stream-K): the last piece to finish stores the tile
-        acc, last = _sk_fixup(acc, sk_tile, sk_prog, sk_first, SK_W, ws_ptr, ws_desc,
-                              sk_count_ptr, SK_PROGS, BLOCK_M, BLOCK_N, tl.cdiv(K, BLOCK_K),
-                              ASM_BARRIER)  # fmt: skip
-    if last:
-        _epilogue(
-            acc, x_row0, valid_rows, n0, band_a, launch_a, band_b, row0, col0, band_rows,
-            band_cols, slot_row0, pid, p_ptr, counter_ptr, trace_ptr, out_ptr, recv_ref,
-            flags_ptr, epoch, rank, world, bands_per_block, out_row0, M, N, N_COL_BANDS, scale,
-            HAS_SCALE, TRACE, FUSE, BLOCK_M, BLOCK_N, ASM_BARRIER, P_DESC,
-        )  # fmt: skip
-
-
-@triton.jit
-def _epilogue(
-    acc, x_row0, valid_rows, n0, band_a, launch_a, band_b, row0, col0, band_rows, band_cols,
-    slot_row0, pid, p_ptr, counter_ptr, trace_ptr, out_ptr, recv_ref, flags_ptr, epoch, rank,
-    world, bands_per_block, out_row0, M, N, N_COL_BANDS, scale,
-    HAS_SCALE: tl.constexpr, TRACE: tl.constexpr, FUSE: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, ASM_BARRIER: tl.constexpr, P_DESC: tl.constexpr,
-):  # fmt: skip
-    """A finished tile: scaled, stored into its chunk's slot (or, for this rank's own block
-    with ``FUSE``, summed with the peers' partials into ``out``), then counted."""
-    if HAS_SCALE:
-        acc = acc * scale
-    offs_i = tl.arange(0, BLOCK_M)
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    mask = (offs_i[:, None] < valid_rows) & (offs_n[None, :] < N)
-    own = False
-    if FUSE > 0:
-        own = band_a // bands_per_block == rank
-    if own:
-        # This rank's block (computed last): add the peers' partials of this tile, pushed
-        # into `recv` ([world, M / world, N], slot s from rank s) by their copy engines, once
-        # each peer's flag for this band holds this call's epoch; store into `out` directly.
-        block_rows = M // world
-        brow = tl.cast(x_row0 - rank * block_rows + offs_i, tl.int64)  # rows in the block
-        if FUSE == 1:
-            k = band_a % bands_per_block
-            block_elems = tl.cast(block_rows, tl.int64) * N
-            for s in range(0, world):
-                if s != rank:
-                    flag = flags_ptr + s * bands_per_block + k
-                    while tl.atomic_add(flag, 0, sem="acquire", scope="sys") - epoch < 0:
-                        pass
-                    if P_DESC:  # TMA: rows past the block are read, never stored
-                        part = recv_ref.load([s * block_rows + x_row0 - rank * block_rows, n0])
-                    else:
-                        ptrs = recv_ref + s * block_elems + brow[:, None] * N + offs_n[None, :]
-                        part = tl.load(ptrs, mask=mask, other=0.0)
-                    acc += part.to(tl.float32)
-        orow = (x_row0 - out_row0 + offs_i).to(tl.int64)
-        out_offs = orow[:, None] * N + offs_n[None, :]
-        tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        # Slot of chunk (a, b): band_rows x band_cols row-major at row0 * N + col0 * band_rows.
-        slot = row0.to(tl.int64) * N + col0 * band_rows
-        rows = (slot_row0 - row0 + offs_i).to(tl.int64)
-        offs = slot + rows[:, None] * band_cols + (offs_n - col0)[None, :]
-        tl.store(p_ptr + offs, acc.to(p_ptr.dtype.element_ty), mask=mask)
-    # Every thread's stores are issued before the one release atomic that counts the tile.
-    chunk = _after_cta_barrier(launch_a * N_COL_BANDS + band_b, ASM_BARRIER)
-    tl.atomic_add(counter_ptr + chunk, 1, sem="release", scope="gpu")
-    if TRACE:
-        tl.store(trace_ptr + 4 * pid + 1, tl.extra.cuda.globaltimer())
-        tl.store(trace_ptr + 4 * pid + 2, tl.extra.cuda.smid().to(tl.int64))
-        tl.store(trace_ptr + 4 * pid + 3, chunk.to(tl.int64))
-
-
-@triton.jit
-def _proxy_fence(value, ASM: tl.constexpr):
-    """``value``, after ``fence.proxy.async.global`` (GPU): generic-proxy writes this thread
-    has acquired become visible to its later TMA (async-proxy) reads."""
-    if ASM:
-        value = tl.inline_asm_elementwise(
-            "fence.proxy.async.global;\n mov.b32 $0, $1;", "=r,r", [value], dtype=tl.int32,
-            is_pure=False, pack=1,
-        )  # fmt: skip
-    return value
-
-
-@triton.jit
-def _sk_fixup(
-    acc, tile, prog, first, W, ws_ptr, ws_desc, count_ptr, P: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KT, ASM_BARRIER: tl.constexpr,
-):  # fmt: skip
-    """Stream-K: ``acc`` is program ``prog``'s piece of stream-K tile ``tile``. The programs
-    split the ``W`` K-block iterations of the stream-K tiles evenly (program j: iterations
-    ``[j W // P, (j + 1) W // P)``, at least one each: ``chunked_matmul`` checks ``W >= P``),
-    so which programs share a tile is known. Each stores its piece in its fp32 workspace
-    slot (``2 j``: its first tile, ``2 j + 1``: its last), then counts itself on the tile's
-    counter; the one that arrives last adds the others' pieces (TMA loads through
-    ``ws_desc``), resets the counter for the next launch and gets ``last``: it stores the
-    tile. No program waits for another. A tile that one program covers whole skips all of
-    this. (Measured on H200, BENCHMARKS step 30: pointer loads of the pieces held a second
-    tile's addresses in registers, 255 registers and spills; atomic adds into one workspace
-    tile per stream-K tile cost ~20 us per piece.)"""
-    lo = ((tile * KT + 1) * P + W - 1) // W - 1  # program of the tile's first iteration
-    hi = ((tile + 1) * KT * P + W - 1) // W - 1  # and of its last
-    last = lo <= hi  # True
-    if hi > lo:
-        offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        slot = 2 * prog + tl.where(first, 0, 1)
-        tl.store(ws_ptr + tl.cast(slot, tl.int64) * (BLOCK_M * BLOCK_N) + offs, acc)
-        others = _after_cta_barrier(hi - lo, ASM_BARRIER)  # every piece stored, then counted
-        last = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu") == others
-        if last:
-            lo = _proxy_fence(lo, ASM_BARRIER)
-            for q in range(lo, hi + 1):
-                if q != prog:
-                    q_slot = 2 * q + tl.where((q * W // P) // KT == tile, 0, 1)
-                    acc += ws_desc.load([q_slot * BLOCK_M, 0])
-            tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
-    return acc, last
-
-
 @triton.jit(do_not_specialize=["epoch"])
 def _chunked_matmul_kernel(
     x_ref, w_ref, p_ptr, counter_ptr, trace_ptr, bad_rows_ptr, bad_cols_ptr,
@@ -282,59 +80,127 @@ def _chunked_matmul_kernel(
     stride_xm, stride_xk, stride_wk, stride_wn,
     NUM_PID_M, TILES_FULL, CHUNK_ROWS, RUN_ROWS, RUN_ROWS_LAST, N_BANDS, RANK_ROWS,
     CHUNK_COLS,
-    N_COL_BANDS, N_TILES, scale, ws_ptr, ws_desc, sk_count_ptr, SK_TILES,
+    N_COL_BANDS, N_TILES, scale,
     RUNS: tl.constexpr, X_DESC: tl.constexpr, W_MODE: tl.constexpr,
     HAS_SCALE: tl.constexpr, PRECISION: tl.constexpr, TRACE: tl.constexpr, FUSE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     FLATTEN: tl.constexpr, ASM_BARRIER: tl.constexpr, P_DESC: tl.constexpr,
-    SK_PROGS: tl.constexpr,
 ):  # fmt: skip
     # One program per tile (grid = tiles), or fewer programs that each take every
     # `num_programs`-th tile in launch order (persistent: grid = SMs). Tile ids are launch
-    # order either way, so chunks finish in the same order. With SK_PROGS > 0 (stream-K),
-    # the last SK_TILES tiles are not taken whole: the last SK_PROGS programs split their K
-    # loops evenly after the other tiles (the grid has SK_PROGS programs more, or every
-    # persistent program takes part), so that a last, partial wave of tiles is spread over
-    # every SM instead of leaving most of them idle.
-    pid0 = tl.program_id(axis=0)
-    nprog = tl.num_programs(axis=0)
-    KT = tl.cdiv(K, BLOCK_K)
-    n_dp = N_TILES
-    if SK_PROGS > 0:
-        n_dp = N_TILES - SK_TILES
-    for pid in tl.range(pid0, n_dp, nprog, flatten=FLATTEN):
-        _tile(
-            pid, 0, KT, 0, 0, False, ws_ptr, ws_desc, sk_count_ptr, 0,
-            x_ref, w_ref, p_ptr, counter_ptr, trace_ptr, bad_rows_ptr, bad_cols_ptr,
-            out_ptr, recv_ref, flags_ptr, epoch, rank, world, shift, bands_per_block, out_row0,
-            M, N, K, stride_xm, stride_xk, stride_wk, stride_wn,
-            NUM_PID_M, TILES_FULL, CHUNK_ROWS, RUN_ROWS, RUN_ROWS_LAST, N_BANDS, RANK_ROWS,
-            CHUNK_COLS, N_COL_BANDS, scale,
-            False, SK_PROGS, RUNS, X_DESC, W_MODE, HAS_SCALE, PRECISION, TRACE, FUSE,
-            BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ASM_BARRIER, P_DESC,
-        )  # fmt: skip
-    if SK_PROGS > 0:
-        j = pid0 - (nprog - SK_PROGS)  # this program's share of the stream-K iterations
-        if j >= 0:
-            W = SK_TILES * KT
-            it0 = j * W // SK_PROGS
-            it1 = (j + 1) * W // SK_PROGS
-            it = it0
-            while it < it1:
-                u = it // KT
-                k_lo = it - u * KT
-                k_hi = tl.minimum(KT, k_lo + it1 - it)
-                _tile(
-                    n_dp + u, k_lo, k_hi, u, j, it == it0, ws_ptr, ws_desc, sk_count_ptr, W,
-                    x_ref, w_ref, p_ptr, counter_ptr, trace_ptr, bad_rows_ptr, bad_cols_ptr,
-                    out_ptr, recv_ref, flags_ptr, epoch, rank, world, shift, bands_per_block,
-                    out_row0, M, N, K, stride_xm, stride_xk, stride_wk, stride_wn,
-                    NUM_PID_M, TILES_FULL, CHUNK_ROWS, RUN_ROWS, RUN_ROWS_LAST, N_BANDS,
-                    RANK_ROWS, CHUNK_COLS, N_COL_BANDS, scale,
-                    True, SK_PROGS, RUNS, X_DESC, W_MODE, HAS_SCALE, PRECISION, TRACE, FUSE,
-                    BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, ASM_BARRIER, P_DESC,
-                )  # fmt: skip
-                it += k_hi - k_lo
+    # order either way, so chunks finish in the same order.
+    for pid in tl.range(tl.program_id(axis=0), N_TILES, tl.num_programs(axis=0), flatten=FLATTEN):
+        if TRACE:  # tools/timeline.py: when each tile starts and ends, its SM and chunk
+            tl.store(trace_ptr + 4 * pid, tl.extra.cuda.globaltimer())
+        num_pid_n = tl.cdiv(N, BLOCK_N)
+        num_pid_in_group = GROUP_M * num_pid_n
+        group_id = pid // num_pid_in_group
+        first_pid_m = group_id * GROUP_M
+        group_size_m = min(NUM_PID_M - first_pid_m, GROUP_M)
+        pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+        pid_n = (pid % num_pid_in_group) // group_size_m
+
+        # Tile row pid_m -> row band a, run r (rank block) within it, tile t within the run.
+        # TILES_FULL: tile rows of a full band; the last band has as many or fewer.
+        launch_a = tl.minimum(pid_m // TILES_FULL, N_BANDS - 1)  # bands finish in launch order
+        band_a = launch_a
+        if FUSE > 0:  # blocked plan (equal bands): start at band `shift`, this rank's block last
+            band_a = (launch_a + shift) % N_BANDS
+        run_rows = tl.where(band_a == N_BANDS - 1, RUN_ROWS_LAST, RUN_ROWS)
+        tiles_per_run = tl.cdiv(run_rows, BLOCK_M)
+        local = pid_m - launch_a * TILES_FULL
+        run = local // tiles_per_run
+        t = local - run * tiles_per_run
+        x_row0 = run * RANK_ROWS + band_a * RUN_ROWS + t * BLOCK_M
+        valid_rows = tl.minimum(BLOCK_M, run_rows - t * BLOCK_M)
+        band_b = (pid_n * BLOCK_N) // CHUNK_COLS
+        row0 = band_a * CHUNK_ROWS  # first slot row of the band
+        col0 = band_b * CHUNK_COLS
+        band_rows = run_rows * RUNS
+        band_cols = tl.minimum(CHUNK_COLS, N - col0)
+        slot_row0 = row0 + run * run_rows + t * BLOCK_M
+
+        n0 = pid_n * BLOCK_N
+        offs_k = tl.arange(0, BLOCK_K)
+        # Rows past M read row M - 1 (never stored): no M mask inside the loop.
+        offs_xm = tl.minimum(x_row0 + tl.arange(0, BLOCK_M), M - 1)
+        x_ptrs = x_ref  # unused with a descriptor
+        if not X_DESC:
+            x_ptrs += offs_xm.to(tl.int64)[:, None] * stride_xm + offs_k[None, :] * stride_xk
+        w_ptrs = w_ref
+        offs_wn = (n0 + tl.arange(0, BLOCK_N)) % N  # % keeps contiguity info (tl.where loses it)
+        if W_MODE == 0:
+            w_ptrs += offs_k[:, None] * stride_wk + offs_wn.to(tl.int64)[None, :] * stride_wn
+
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, tl.cdiv(K, BLOCK_K)):
+            a, b = _load_ab(
+                x_ref, w_ref, x_ptrs, w_ptrs, k, K, x_row0, n0, offs_k, stride_xk, stride_wk,
+                X_DESC, W_MODE, BLOCK_K,
+            )  # fmt: skip
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)  # 16-bit inputs ignore it
+
+        if PRECISION == "tf32x3":
+            # Three TF32 products give fp32 accuracy but turn every Inf into NaN (inf - inf in
+            # the split). A product element is Inf or NaN iff its x row or its w column holds
+            # one; tiles that have such rows or columns redo them with one TF32 product, which
+            # keeps IEEE's Inf and NaN (the finite parts there do not matter).
+            bad_r = tl.load(bad_rows_ptr + offs_xm)
+            bad_c = tl.load(bad_cols_ptr + offs_wn)
+            if tl.max(bad_r, axis=0) + tl.max(bad_c, axis=0) > 0:
+                ieee = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for k in range(0, tl.cdiv(K, BLOCK_K)):
+                    a, b = _load_ab(
+                        x_ref, w_ref, x_ptrs, w_ptrs, k, K, x_row0, n0, offs_k, stride_xk,
+                        stride_wk, X_DESC, W_MODE, BLOCK_K,
+                    )  # fmt: skip
+                    ieee = tl.dot(a, b, ieee, input_precision="tf32")
+                acc = tl.where((bad_r[:, None] + bad_c[None, :]) > 0, ieee, acc)
+
+        if HAS_SCALE:
+            acc = acc * scale
+        offs_i = tl.arange(0, BLOCK_M)
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask = (offs_i[:, None] < valid_rows) & (offs_n[None, :] < N)
+        own = False
+        if FUSE > 0:
+            own = band_a // bands_per_block == rank
+        if own:
+            # This rank's block (computed last): add the peers' partials of this tile, pushed
+            # into `recv` ([world, M / world, N], slot s from rank s) by their copy engines, once
+            # each peer's flag for this band holds this call's epoch; store into `out` directly.
+            block_rows = M // world
+            brow = tl.cast(x_row0 - rank * block_rows + offs_i, tl.int64)  # rows in the block
+            if FUSE == 1:
+                k = band_a % bands_per_block
+                block_elems = tl.cast(block_rows, tl.int64) * N
+                for s in range(0, world):
+                    if s != rank:
+                        flag = flags_ptr + s * bands_per_block + k
+                        while tl.atomic_add(flag, 0, sem="acquire", scope="sys") - epoch < 0:
+                            pass
+                        if P_DESC:  # TMA: rows past the block are read, never stored
+                            part = recv_ref.load([s * block_rows + x_row0 - rank * block_rows, n0])
+                        else:
+                            ptrs = recv_ref + s * block_elems + brow[:, None] * N + offs_n[None, :]
+                            part = tl.load(ptrs, mask=mask, other=0.0)
+                        acc += part.to(tl.float32)
+            orow = (x_row0 - out_row0 + offs_i).to(tl.int64)
+            out_offs = orow[:, None] * N + offs_n[None, :]
+            tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            # Slot of chunk (a, b): band_rows x band_cols row-major at row0 * N + col0 * band_rows.
+            slot = row0.to(tl.int64) * N + col0 * band_rows
+            rows = (slot_row0 - row0 + offs_i).to(tl.int64)
+            offs = slot + rows[:, None] * band_cols + (offs_n - col0)[None, :]
+            tl.store(p_ptr + offs, acc.to(p_ptr.dtype.element_ty), mask=mask)
+        # Every thread's stores are issued before the one release atomic that counts the tile.
+        chunk = _after_cta_barrier(launch_a * N_COL_BANDS + band_b, ASM_BARRIER)
+        tl.atomic_add(counter_ptr + chunk, 1, sem="release", scope="gpu")
+        if TRACE:
+            tl.store(trace_ptr + 4 * pid + 1, tl.extra.cuda.globaltimer())
+            tl.store(trace_ptr + 4 * pid + 2, tl.extra.cuda.smid().to(tl.int64))
+            tl.store(trace_ptr + 4 * pid + 3, chunk.to(tl.int64))
 
 
 def _tma_ok(t: torch.Tensor) -> bool:
@@ -346,25 +212,6 @@ def _tma_ok(t: torch.Tensor) -> bool:
         and (t.stride(0) * es) % 16 == 0
         and (t.shape[1] * es) >= 16
     )
-
-
-_sk_scratch: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # (device, stream) -> buffers
-
-
-def _sk_buffers(device: torch.device, elems: int, tiles: int):
-    """Stream-K's fp32 workspace (``elems``: two tiles per program) and per-tile counters
-    (zero between launches: the last piece of a tile resets its counter), kept per (device,
-    stream): launches on one stream run one after another, so they can share them; growing
-    them is stream-ordered by torch's allocator."""
-    stream = current_raw_stream(device) if device.type == "cuda" else 0
-    key = (str(device), stream)
-    ws, counts = _sk_scratch.get(key, (None, None))
-    if ws is None or ws.numel() < elems:
-        ws = torch.empty(elems, dtype=torch.float32, device=device)
-    if counts is None or counts.numel() < tiles:
-        counts = torch.zeros(max(tiles, 1024), dtype=torch.int32, device=device)
-    _sk_scratch[key] = ws, counts
-    return ws, counts
 
 
 def _descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
@@ -405,8 +252,6 @@ def chunked_matmul(
     fuse: Fuse | None = None,
     programs: int | None = None,
     flatten: bool | None = None,
-    stream_k: int = 0,
-    stream_k_tiles: int | None = None,
 ) -> CompiledKernel | None:
     """Launch the GEMM of ``plan`` on the current stream.
 
@@ -431,12 +276,6 @@ def chunked_matmul(
             program reaches its own-block tiles (the only ones that wait) after all its
             other tiles. Measured on H200 in BENCHMARKS step 23.
         flatten: flatten the tile loop (None: when persistent; tuning runs).
-        stream_k: split the K loops of the last ``stream_k_tiles`` tiles (default: tiles %
-            ``stream_k``, the last partial wave) evenly over ``stream_k`` programs, which the
-            grid gets in addition (persistent: the last ``stream_k`` programs, so
-            ``programs >= stream_k``). Pieces of a tile meet in a workspace; the last to finish
-            adds them up and stores the tile (``_sk_fixup``). Not with ``fuse``, ``trace``, fp32
-            inputs, or fewer K iterations than programs: those launch without it. 0: off.
 
     Returns:
         Triton's compiled kernel (``n_regs``, ``n_spills``, ``asm``: for tools); None in
@@ -463,24 +302,8 @@ def chunked_matmul(
         w_ref, w_mode = _descriptor(w, [t.block_k, t.block_n]), W_KN
     if programs is not None and programs < 1:
         raise ValueError(f"programs must be at least 1 (or None), got {programs}")
-    if stream_k < 0 or (programs is not None and 0 < programs < stream_k):
-        raise ValueError(f"stream_k must be in [0, programs], got {stream_k}")
     n_tiles = plan.num_tile_rows * -(-N // t.block_n)  # triton.cdiv costs ~5 us on the host
-    sk_tiles = 0
-    if stream_k and fuse is None and trace is None and not tf32x3:
-        sk_tiles = n_tiles % stream_k if stream_k_tiles is None else stream_k_tiles
-        if not 0 < sk_tiles <= n_tiles or sk_tiles * -(-K // t.block_k) < stream_k:
-            sk_tiles = 0  # nothing to split, or some program would get no iteration
-    if programs is None:
-        grid = (n_tiles - sk_tiles + (stream_k if sk_tiles else 0),)
-    else:
-        grid = (min(programs, n_tiles),)
-        if grid[0] < stream_k:
-            sk_tiles = 0
-    ws = ws_desc = sk_counts = counters  # unused without stream-K
-    if sk_tiles:
-        ws, sk_counts = _sk_buffers(x.device, 2 * stream_k * t.block_m * t.block_n, sk_tiles)
-        ws_desc = _descriptor(ws.view(-1, t.block_n), [t.block_m, t.block_n])
+    grid = (n_tiles if programs is None else min(programs, n_tiles),)
     R = plan.world_size
     if fuse is not None:
         if not plan.blocked:
@@ -503,7 +326,7 @@ def chunked_matmul(
         plan.num_tile_rows, plan.band_tile_rows(0), plan.chunk_rows, plan.run_rows,
         plan.run_rows_last,
         plan.n_row_bands, plan.rank_block_rows, plan.chunk_cols, plan.n_col_bands, n_tiles,
-        1.0 if scale is None else scale, ws, ws_desc, sk_counts, sk_tiles,
+        1.0 if scale is None else scale,
     )  # fmt: skip
     consts = dict(
         RUNS=plan.runs, X_DESC=x_ref is not x, W_MODE=w_mode,
@@ -511,7 +334,7 @@ def chunked_matmul(
         TRACE=trace is not None, FUSE=0 if fuse is None else 1 if fuse.add else 2,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=plan.group_m,
         FLATTEN=grid[0] < n_tiles if flatten is None else flatten,
-        ASM_BARRIER=x.is_cuda, P_DESC=p_desc, SK_PROGS=stream_k if sk_tiles else 0,
+        ASM_BARRIER=x.is_cuda, P_DESC=p_desc,
     )  # fmt: skip
     return _launch(grid[0], args, consts, t.num_warps, t.num_stages)
 
