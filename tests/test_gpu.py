@@ -463,3 +463,38 @@ def test_launch_memo_one_gpu(monkeypatch):
         pytest.skip("needs a CUDA GPU")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     spawn(_launch_memo, 1, random.randrange(1 << 30))
+
+
+def _host_road_one_gpu(rank, R, seed):
+    """2 ranks on GPU 0 over gloo: the copy-engine transport's road through host memory, with
+    the real fused kernel (the GPU is time-sliced between the two processes)."""
+    from overlap.api import _contexts
+    from overlap.comm import HostTransport
+
+    torch.cuda.set_device(0)
+    failures = []
+    i = 0
+    for coll in COLLECTIVES:
+        for dtype in DTYPES:
+            for shape in ((2048, 4096, 4096), (1000, 1000, 3000), (4, 256, 1024, 2048)):
+                i += 1
+                msg = check_case(rank, R, "cuda:0", coll, dtype, shape, seed + i, backend="ce",
+                                 chunks=4)  # fmt: skip
+                failures += [msg] if msg else []
+        msg = check_case(rank, R, "cuda:0", coll, torch.bfloat16, (512, 256, 768), seed + 99,
+                         backend="ce", chunks=2, specials=True)  # fmt: skip
+        failures += [msg] if msg else []
+    roads = [type(c._peer).__name__ for c in _contexts.values()]
+    if not roads or any(r != HostTransport.__name__ for r in roads):
+        failures.append(f"transports of the calls' contexts: {roads}, expected the host road")
+    return failures
+
+
+def test_host_road_one_gpu(monkeypatch):
+    """One GPU: two ranks through the copy-engine transport's host road (``NCCL_P2P_DISABLE``),
+    every collective and dtype against float64. What a 1-GPU machine can check of it."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setenv("NCCL_P2P_DISABLE", "1")
+    spawn(_host_road_one_gpu, 2, random.randrange(1 << 30))
