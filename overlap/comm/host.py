@@ -115,8 +115,11 @@ class HostTransport(PeerTransport):
         if self.recv is None or self.recv.numel() < n:
             torch.cuda.synchronize(self.device)  # the old slots may still be read or written
             self.recv = torch.empty(n, dtype=torch.uint8, device=self.device)
+            self._views.clear()  # they would keep the old slots alive
         key = (self.recv.data_ptr(), p, dtype)
         if key not in self._views:
+            if len(self._views) >= 256:  # one entry per plan: varying M would grow it
+                self._views.clear()
             self._views[key] = receive_slots(self.recv, p, dtype), self.dflags[self.size :]
         return self._views[key]
 

@@ -144,6 +144,7 @@ class PeerTransport:
         torch.cuda.synchronize(self.device)
         dist.barrier(group=self.group)  # every rank's flags are zero before anyone writes
         self.buf, self.handle = buf, handle
+        self._views.clear()  # they would keep the old buffer alive
         self.ptrs = [int(a) for a in handle.buffer_ptrs]
 
     @property
@@ -162,6 +163,8 @@ class PeerTransport:
         self._ensure(slot_bytes(p, dtype))
         key = (self.buf.data_ptr(), p, dtype)
         if key not in self._views:
+            if len(self._views) >= 256:  # one entry per plan: varying M would grow it
+                self._views.clear()
             flags = self.buf[:_FLAGS_BYTES].view(torch.int32)[self.size :]
             self._views[key] = receive_slots(self.buf[_FLAGS_BYTES:], p, dtype), flags
         return self._views[key]

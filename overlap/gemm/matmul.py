@@ -381,6 +381,8 @@ def _launch(grid: int, args: tuple, consts: dict, num_warps: int, num_stages: in
     if k is None:
         k = _chunked_matmul_kernel[(grid,)](*args, **consts, num_warps=num_warps,
                                             num_stages=num_stages)  # fmt: skip
+        if len(_compiled) >= 1024:  # keys hold exact sizes: a stream of new M values grows it
+            _compiled.clear()
         _compiled[key] = k
         return k
     d = triton.runtime.driver.active
