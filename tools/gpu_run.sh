@@ -14,7 +14,7 @@
 #   ce: the copy-engine transport: its tests, the large shapes through it and through NCCL,
 #       and two timelines
 #   gather: example, both benches, timelines, the copy-engine tests (~400 s); rest: the other
-#       GPU tests (~300 s). measure/ce_final ran past 600 s once the suite had 19 tests.
+#       GPU tests (~380 s). measure/ce_final ran past 600 s once the suite had 19 tests.
 #   four (4 GPUs): the example and the benchmark at R = 4, NVLink and without P2P
 #   host_ce: where the host time of a call through the copy-engine transport goes (not yet run)
 set -u
@@ -164,7 +164,7 @@ if [ "$what" = host_ce ]; then  # host time per call through the copy-engine tra
     grep "host ms\|^== " "$OUT/host_ce_$c.txt"
   done
 fi
-if [ "$what" = rest ]; then  # the GPU tests `gather` leaves out (~300 s)
+if [ "$what" = rest ]; then  # the GPU tests `gather` leaves out (~380 s)
   run_suite "not (ce or auto or copy)"
 fi
 if [ "$what" = check_final ]; then  # after test-harness changes: a few tests, one bench shape, an NCCL knob
