@@ -85,7 +85,7 @@ def main() -> None:
         med = host[len(host) // 2]
         lines.append(f"\n== {what}\nhost ms per call: median {med:.3f}, min {host[0]:.3f}")
         lines.append("(the profile below includes the profiler's own overhead)")
-        if dist.get_rank() == 0 and what != "plain: x @ w, then the collective":
+        if dist.get_rank() == 0 and run is ovl:
             prof.dump_stats(args.out + ".prof")  # for pstats elsewhere
         buf = io.StringIO()
         pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
