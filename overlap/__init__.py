@@ -2,11 +2,18 @@
 
 ``import overlap`` works without a GPU, Triton's GPU backend, CuPy or cuda-python: kernels and
 optional backends are imported on first use.
+
+Layers (each knows only those below it): ``plan`` and ``collectives`` (pure Python),
+``contract`` (what kernel and copy-engine transports agree on), ``signal`` (counters, stream
+waits), ``gemm`` (Triton kernels), ``comm`` (transports, no Triton), ``context`` (per group,
+device and stream state), ``ops`` (the public calls), ``tuner`` and ``bench`` on top.
 """
 
-from .api import matmul_all_to_all, matmul_allreduce, matmul_collective, matmul_reduce_scatter, plan
+from .collectives import COLLECTIVES, OPS
+from .context import release
 from .guard import RankMismatchError, configure
-from .plan import COLLECTIVES, OPS, Plan
+from .ops import matmul_all_to_all, matmul_allreduce, matmul_collective, matmul_reduce_scatter, plan
+from .plan import Plan
 from .tuner import Tuned, tune
 
 __all__ = [
@@ -21,6 +28,7 @@ __all__ = [
     "matmul_collective",
     "matmul_reduce_scatter",
     "plan",
+    "release",
     "tune",
 ]
 __version__ = "0.1.0"

@@ -1,7 +1,8 @@
 """Benchmark: ``torchrun --nproc-per-node=2 -m overlap.bench [--out bench.json]``.
 
 Per shape and collective (bf16, ``x [M, K]`` and ``w = weight.t()`` of ``[N, K]``):
-cuBLAS GEMM alone, this library's GEMM alone (with signals), the collective alone on the
+cuBLAS GEMM alone, the kernel of the plan that runs alone (with its signals, without a copy-engine
+transport's epilogue), the collective alone on the
 product, sequential (cuBLAS + collective), this library, the speedup over sequential and the
 hidden fraction ``eta = (T_seq - T_overlap) / (T_seq - max(T_gemm, T_comm))``; for
 reduce-scatter also torch's async-TP (``fused_matmul_reduce_scatter``) where it runs. Peak GPU
@@ -28,7 +29,9 @@ import torch
 import torch.distributed as dist
 
 import overlap
-from overlap.api import _collective, _context, _resolve_backend
+from overlap.collectives import collective
+from overlap.comm import BACKENDS
+from overlap.context import context
 from overlap.tuner import time_queued
 
 SHAPES = [
@@ -131,11 +134,12 @@ def bench_one(
     if tune and chunks is None:  # overlap.tune times plain / 2 / 4 / 8 chunks and keeps the best
         # the bench times GPU work with the host queued ahead, so the tuner does too
         tuned = overlap.tune(x, w, coll, group=ovl_group, use_cache=False, count_host=False)
-    p = overlap.plan(x, w, coll, chunks=chunks, group=ovl_group)
+    p = overlap.plan(x, w, coll, chunks=chunks, group=ovl_group, backend=backend)
+    plain = collective(coll).plain
 
     def seq():  # what users write today
         prod = x @ w
-        _collective(coll, prod, out, group)
+        plain(prod, out, group)
 
     def ovl():
         overlap.matmul_collective(
@@ -146,7 +150,7 @@ def bench_one(
         "shape": shape,
         "collective": coll,
         "backend": backend,
-        "transport": _resolve_backend(backend, p, x, ovl_group) if p.path == "overlap" else None,
+        "transport": p.transport or None,
         "plan": p.describe(),
         "chunks": p.n_chunks,
         "tuned": tuned and tuned.choice,
@@ -158,9 +162,9 @@ def bench_one(
         from overlap.signal import ChunkCounters
 
         counters = ChunkCounters(dev)
-        p_flat = torch.empty(M * N, device=dev, dtype=torch.bfloat16)
-        fns["gemm_overlap_kernel"] = lambda: chunked_matmul(x, w, p_flat, counters.tensor, p)
-    fns["comm"] = lambda: _collective(coll, y, out, group)
+        slots = torch.empty(M * N, device=dev, dtype=torch.bfloat16)
+        fns["gemm_overlap_kernel"] = lambda: chunked_matmul(x, w, slots, counters.tensor, p)
+    fns["comm"] = lambda: plain(y, out, group)
     fns["sequential"] = seq
     fns["overlap"] = ovl
     if coll == "reduce_scatter" and not graph:
@@ -181,15 +185,14 @@ def bench_one(
     # would show here).
     ref = x @ w
     want = ref if coll == "all_reduce" else torch.empty_like(out)
-    _collective(coll, ref, want, group)
+    plain(ref, want, group)
     ovl()
     row["error_vs_plain"] = ((out.float() - want.float()).norm() / want.float().norm()).item()
     torch.cuda.synchronize()
     row["peak_mb_sequential"] = _peak_mb(seq)
     row["peak_mb_overlap"] = _peak_mb(ovl)  # torch's allocator: not the symmetric memory
     if row["transport"] == "ce":  # the copy-engine transport's buffer, kept between calls
-        peer = _context(ovl_group, dev)._peer
-        row["transport_buffer_mb"] = peer.nbytes / 2**20 if peer is not None else None
+        row["transport_buffer_mb"] = context(ovl_group, dev).nbytes / 2**20
     limit = max(row["gemm_cublas"], row["comm"])
     row["speedup"] = row["sequential"] / row["overlap"]
     hideable = row["sequential"] - limit
@@ -201,7 +204,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default=",".join(SHAPES), help="MxNxK,MxNxK,...")
     ap.add_argument("--collectives", default="all_reduce,reduce_scatter,all_to_all")
-    ap.add_argument("--backend", default="auto", choices=list(overlap.comm.BACKENDS))
+    ap.add_argument("--backend", default="auto", choices=list(BACKENDS))
     ap.add_argument(
         "--chunks",
         default="",

@@ -4,12 +4,13 @@ Off by default (it costs a store round trip and a host synchronization per call)
 with ``overlap.configure(validate=True)``, ``OVERLAP_VALIDATE=1``, or
 ``TORCH_DISTRIBUTED_DEBUG=DETAIL``. When on, every call with more than one rank:
 
-1. Publishes a fingerprint of the call (collective, op, shapes, dtype, backend, and the chunk
-   plan) in the default group's key-value store, under the group's name and the call's number
-   in that group, and waits up to ``timeout`` seconds for every rank's fingerprint. A rank
-   that does not arrive (dead, or stuck elsewhere) gives ``TimeoutError`` naming it; ranks that
-   disagree give ``RankMismatchError`` with every rank's fingerprint. Both are raised before
-   this call has launched anything, so the GPU is never left waiting.
+1. Publishes a fingerprint of the call (collective, op, shapes, dtype, and the plan that
+   runs: its transport and chunks) in the default group's key-value store, under the group's
+   name and the call's number in that group, and waits up to ``timeout`` seconds for every
+   rank's fingerprint. A rank that does not arrive (dead, or stuck elsewhere) gives
+   ``TimeoutError`` naming it; ranks that disagree give ``RankMismatchError`` with every
+   rank's fingerprint. Both are raised before this call has launched anything, so the GPU is
+   never left waiting.
 2. After issuing the chunks, waits on the host up to ``timeout`` seconds for the last
    collective. If it does not finish (a peer died mid-call), the communicator is aborted, so
    that the GPU's streams are released, and ``TimeoutError`` is raised; the group is unusable
@@ -85,7 +86,9 @@ def group_name(group: dist.ProcessGroup | None) -> str:
 
 
 class Rendezvous:
-    """Per-group agreement through the default store (one per (group, device, stream) context)."""
+    """Per-group agreement through the default store (``agree`` keeps one per group name: the
+    call numbers must go on across contexts and ``overlap.release``, or a new count would
+    meet the keys of old calls)."""
 
     def __init__(self, group: dist.ProcessGroup | None) -> None:
         self.store = dist.distributed_c10d._get_default_store()
@@ -125,6 +128,17 @@ class Rendezvous:
             )
 
 
+_rendezvous: dict[str, Rendezvous] = {}  # group name -> its rendezvous (a few ints each)
+
+
+def agree(group: dist.ProcessGroup | None, fingerprint: str, what: str) -> None:
+    """``Rendezvous.agree`` on ``group``'s rendezvous (made on first use)."""
+    name = group_name(group)
+    if name not in _rendezvous:
+        _rendezvous[name] = Rendezvous(group)
+    _rendezvous[name].agree(fingerprint, what)
+
+
 def watch(stream: torch.cuda.Stream | None, abort, what: str) -> None:
     """Wait on the host until ``stream``'s work so far is done, at most ``timeout()`` seconds;
     past it call ``abort()`` and raise ``TimeoutError``. CPU work (``stream=None``) is already
@@ -145,10 +159,11 @@ def watch(stream: torch.cuda.Stream | None, abort, what: str) -> None:
         time.sleep(1e-4)
 
 
-def fingerprint(plan, dtype: torch.dtype, op: str, backend: str) -> str:
+def fingerprint(plan, dtype: torch.dtype, op: str) -> str:
     """What must be equal on every rank for a call to be valid: the collective, shapes, dtype,
-    op, backend and the chunk plan (chunks and tiles per chunk)."""
+    op and the plan that runs (path, transport, layout, tiles per chunk and tiles)."""
     return (
-        f"{plan.collective} op={op} M={plan.M} N={plan.N} K={plan.K} {dtype} "
-        f"backend={backend} path={plan.path} chunks={plan.tiles_per_chunk} tiles={plan.tiles}"
+        f"{plan.collective} op={op} M={plan.M} N={plan.N} K={plan.K} {dtype} path={plan.path} "
+        f"transport={plan.transport} blocked={plan.blocked} chunks={plan.tiles_per_chunk} "
+        f"tiles={plan.tiles}"
     )

@@ -32,11 +32,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 from dataclasses import dataclass, field
 
-COLLECTIVES = ("all_reduce", "reduce_scatter", "all_to_all")
-OPS = ("sum", "avg")
+from .collectives import collective as _spec
+
 MAX_CHUNKS = 64  # counters per context; plans never exceed it
 # Below this many FLOP the planner picks the plain path by itself: the host must stay ahead of
 # the GPU. Measured on 2x H200 (BENCHMARKS.md, 2026-11-22): an overlapped call costs 0.37-0.57
@@ -70,25 +69,20 @@ class Tiles:
 
 def tiles_for(M: int, dtype_bits: int, interpreter: bool) -> Tiles:
     """Tile config for ``M`` rows of an element size in bits, on the GPU or in the Triton
-    interpreter. ``OVERLAP_TILES="BM,BN,BK,warps,stages"`` overrides the 16-bit config for
-    M > 128 (tuning runs)."""
+    interpreter."""
     if interpreter:
         return Tiles(*_INTERPRETER_TILES)
     if M <= 128:
         block_m = 32 if M <= 32 else 64 if M <= 64 else 128
         block_k = _SMALL_M_BLOCK_K if dtype_bits == 16 else 32
         return Tiles(block_m, _SMALL_M_BLOCK_N, block_k, 4, 4)
-    if dtype_bits == 32:
-        return Tiles(*_GPU_TILES_FP32)
-    forced = os.environ.get("OVERLAP_TILES")
-    if forced:
-        return Tiles(*(int(v) for v in forced.split(",")))
-    return Tiles(*_GPU_TILES_16BIT)
+    return Tiles(*(_GPU_TILES_FP32 if dtype_bits == 32 else _GPU_TILES_16BIT))
 
 
 @dataclass(frozen=True)
 class Plan:
-    """How one call runs. ``path`` is "overlap" or "fallback"; ``reason`` says why.
+    """How one call runs. ``path`` is "overlap" or "fallback"; ``reason`` says why;
+    ``transport`` names what moves the chunks (``overlap.comm``; "" on the plain path).
 
     Identical on every rank for identical arguments (it depends on nothing else).
     """
@@ -105,14 +99,20 @@ class Plan:
     chunk_cols: int = 0  # columns per column band (multiple of block_n)
     group_m: int = 1  # tile-row grouping of the launch order (divides tile rows per band)
     tiles_per_chunk: tuple[int, ...] = field(default=())
-    blocked: bool = False  # rank-block layout of the copy-engine transport (make_plan)
+    blocked: bool = False  # rank-block layout of the copy-engine transports (make_plan)
+    transport: str = ""
     # Derived sizes are cached properties: every launch reads them (host time per call).
 
     @functools.cached_property
+    def spec(self):  # -> overlap.collectives.Collective
+        """The collective's entry in ``overlap.collectives``."""
+        return _spec(self.collective)
+
+    @functools.cached_property
     def runs(self) -> int:
-        """Runs per row band: R for reduce-scatter and all-to-all, 1 for all-reduce and for
-        blocked plans."""
-        return self.world_size if self.collective != "all_reduce" and not self.blocked else 1
+        """Runs per row band: R where each rank gets its own rows (reduce-scatter,
+        all-to-all), 1 for all-reduce and for blocked plans."""
+        return self.world_size if self.spec.splits_rows and not self.blocked else 1
 
     @functools.cached_property
     def bands_per_block(self) -> int:
@@ -190,14 +190,15 @@ class Plan:
         return r * self.rank_block_rows + a * self.run_rows + i
 
     def describe(self) -> str:
+        """One line: the path, the transport, the chunks and tiles, and why."""
         if self.path != "overlap":
             return f"{self.collective} {self.M}x{self.N}x{self.K}: fallback ({self.reason})"
         t = self.tiles
         return (
-            f"{self.collective} {self.M}x{self.N}x{self.K} on {self.world_size} ranks: "
-            f"{self.n_chunks} chunks ({self.n_row_bands} row bands of {self.chunk_rows} rows x "
-            f"{self.n_col_bands} column bands of {self.chunk_cols}), tiles "
-            f"{t.block_m}x{t.block_n}x{t.block_k}; {self.reason}"
+            f"{self.collective} {self.M}x{self.N}x{self.K} on {self.world_size} ranks through "
+            f"{self.transport or '?'}: {self.n_chunks} chunks ({self.n_row_bands} row bands of "
+            f"{self.chunk_rows} rows x {self.n_col_bands} column bands of {self.chunk_cols}), "
+            f"tiles {t.block_m}x{t.block_n}x{t.block_k}; {self.reason}"
         )
 
 
@@ -219,26 +220,34 @@ def make_plan(
     chunks: int | None = None,
     tiles: Tiles | None = None,
     blocked: bool = False,
+    transport: str = "",
 ) -> Plan:
     """Choose the chunk plan for ``[M, K] @ [K, N]`` followed by ``collective`` over
-    ``world_size`` ranks.
+    ``world_size`` ranks, for the transport named ``transport`` (a label, ``Plan.transport``).
 
     ``chunks`` asks for about that many chunks (rounded to what the tiles allow); by default the
     plan aims at about two GEMM waves (``num_sms`` tiles each) per chunk, between 2 and 8 chunks:
-    DESIGN.md measured 1024- and 2048-row chunks best and 512 rows worse. ``tiles`` replaces
-    the tile config of ``tiles_for`` (tests and tuning).
+    1024- and 2048-row chunks measured best on 2x H200 and 512 rows worse. ``tiles`` replaces
+    the tile config of ``tiles_for`` (tests).
 
-    ``blocked`` (the copy-engine transport, ``overlap/comm/peer.py``): the standard row layout
+    Row bands are runs of whole tile rows (every band but the last). Where there are too few
+    rows for two bands (decode shapes), the product is split along N in column bands.
+
+    ``blocked`` (the copy-engine transports, ``overlap/contract.py``): the standard row layout
     (one run per band, as for all-reduce) cut into ``R * b`` equal row bands, ``b`` in each
-    rank's block of ``M / R`` rows (``b`` about ``chunks / R``), so that every band belongs to
-    one rank's block. Needs ``M`` divisible by ``R``; falls back like the others.
+    rank's block of ``M / R`` rows (``b`` about the row bands the standard layout would have,
+    divided by ``R``), so that every band belongs to one rank's block. Needs ``M`` divisible by
+    ``R``; falls back otherwise.
+
+    Raises:
+        ValueError: unknown ``collective``, ``chunks`` outside [2, MAX_CHUNKS], or ``M`` not
+            divisible by ``world_size`` for a collective that splits rows by rank.
     """
-    if collective not in COLLECTIVES:
-        raise ValueError(f"collective must be one of {COLLECTIVES}, got {collective!r}")
+    spec = _spec(collective)
     if chunks is not None and not 2 <= chunks <= MAX_CHUNKS:
         raise ValueError(f"chunks must be in [2, {MAX_CHUNKS}], got {chunks}")
     R = world_size
-    if collective != "all_reduce" and M % R:
+    if spec.splits_rows and M % R:
         raise ValueError(f"{collective} needs M ({M}) divisible by the world size ({R})")
     if R == 1:
         return _fallback("world size 1: nothing to communicate", collective, M, N, K, R)
@@ -257,19 +266,19 @@ def make_plan(
     t = tiles or tiles_for(M, dtype_bits, interpreter)
     tm, tn = math.ceil(M / t.block_m), math.ceil(N / t.block_n)
     if chunks is None:
-        # All-to-all: 4 chunks measured 1.01-1.24x over sequential on the bench shapes (2x H200,
-        # BENCHMARKS.md); more chunks were not measured, so they are not chosen by default.
-        most = 4 if collective == "all_to_all" else 8
+        # All-to-all: 4 chunks measured 1.01-1.24x over sequential on the bench shapes (2x H200);
+        # more chunks were not measured, so they are not chosen by default.
+        most = 8 if spec.reduces else 4
         chunks = max(2, min(most, round(tm * tn / (2 * num_sms))))
-
-    if blocked:
-        return _blocked_plan(M, N, K, R, collective, t, chunks)
     # Row bands: runs of whole tiles, so every band but the last is a whole number of tile rows.
-    runs = R if collective != "all_reduce" else 1
+    runs = R if spec.splits_rows else 1
     units = math.ceil(M // runs / t.block_m)  # tile rows per run if there were one band
     run_rows = math.ceil(units / min(chunks, units)) * t.block_m
+    row_bands = math.ceil(M // runs / run_rows)
+    if blocked:
+        return _blocked_plan(M, N, K, R, spec, t, row_bands, transport)
     chunk_cols = tn * t.block_n
-    if math.ceil(M // runs / run_rows) < 2:
+    if row_bands < 2:
         # Too few rows to split: one row band of all M rows, split along N (decode shapes).
         if tn < 2:
             return _fallback(
@@ -288,20 +297,34 @@ def make_plan(
     )
     how = "row bands" if plan.n_col_bands == 1 else "column bands (small M)"
     return dataclasses.replace(
-        plan, reason=f"{len(tiles)} chunks along {how}", group_m=group_m, tiles_per_chunk=tiles
+        plan,
+        reason=f"{len(tiles)} chunks along {how}",
+        group_m=group_m,
+        tiles_per_chunk=tiles,
+        transport=transport,
     )
 
 
-def _blocked_plan(M: int, N: int, K: int, R: int, collective: str, t: Tiles, chunks: int) -> Plan:
+def splits_rows(M: int, collective: str, world_size: int, tiles: Tiles) -> bool:
+    """Whether the standard layout of ``make_plan`` cuts this product into row bands (else
+    column bands: decode-sized M). Cheap: the transport choice asks it before planning."""
+    runs = world_size if _spec(collective).splits_rows else 1
+    return math.ceil(M // runs / tiles.block_m) >= 2
+
+
+def _blocked_plan(
+    M: int, N: int, K: int, R: int, spec, t: Tiles, chunks: int, transport: str
+) -> Plan:
     """``make_plan(blocked=True)``: ``b`` equal bands per rank block (``b`` divides ``M / R``
     so that all bands have the same rows and tile rows; a band's last tile may be partial)."""
+    name = spec.name
     if M % R:
-        return _fallback(f"M ({M}) not divisible by the world size ({R})", collective, M, N, K, R)
+        return _fallback(f"M ({M}) not divisible by the world size ({R})", name, M, N, K, R)
     block = M // R
     b = max(1, min(round(chunks / R), math.ceil(block / t.block_m), MAX_CHUNKS // R))
     while block % b:
         b -= 1
-    if collective == "all_reduce":
+    if spec.replicated:
         # All-reduce's last band still travels after the GEMM: halve the bands while a band
         # keeps 4 tile rows (GROUP_M 4: fewer cost GEMM speed), b stays within chunks and
         # the chunks within the counters.
@@ -312,11 +335,12 @@ def _blocked_plan(M: int, N: int, K: int, R: int, collective: str, t: Tiles, chu
             and block // (2 * b) >= 4 * t.block_m
         ):
             b *= 2
-    plan = Plan("overlap", "", collective, M, N, K, R, t, block // b, N, blocked=True)
+    plan = Plan("overlap", "", name, M, N, K, R, t, block // b, N, blocked=True)
     tiles = (plan.band_tile_rows(0) * math.ceil(N / t.block_n),) * (R * b)
     return dataclasses.replace(
         plan,
-        reason=f"{R * b} chunks, {b} row bands in each rank's block (copy-engine transport)",
+        reason=f"{R * b} chunks, {b} row bands in each rank's block",
         group_m=math.gcd(8, plan.band_tile_rows(0)),
         tiles_per_chunk=tiles,
+        transport=transport,
     )

@@ -10,8 +10,9 @@ makes it, with its own ``x`` and ``w`` of the same shapes). It
    ahead, or its host time where that is larger (``time_queued``); takes the slowest rank's
    median per candidate (an all-reduce, so every rank holds the same numbers) and picks the
    fastest; rank 0 writes the cache;
-3. registers the choice in this process for ``group``: later calls with ``chunks=None`` and
-   the same shapes, dtype and collective use it (``overlap.plan`` shows it).
+3. records the choice in this process for ``group`` (``overlap.context``): later calls with
+   ``chunks=None`` and the same shapes, dtype and collective use it (``overlap.plan`` shows
+   it).
 
 Calls never tune by themselves: a cold call takes the planner's default, so nothing waits on
 tuning, and the choice is the same on every rank because it only ever comes from this
@@ -34,14 +35,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .guard import group_name
+from .context import set_tuned, tuned_key
+from .ops import _capturing, _check, matmul_collective
 from .plan import MAX_CHUNKS
 
 _TRANSPORT_VARS = ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "NCCL_P2P_LEVEL", "NCCL_NET")
 DEFAULT_CANDIDATES = ("plain", 2, 4, 8)
-
-# (group name, M, N, K, dtype, collective) -> chunk count or "plain"; filled by tune() only.
-_registry: dict[tuple, int | str] = {}
 
 
 @dataclass(frozen=True)
@@ -59,17 +58,6 @@ def cache_path() -> str:
     """The tuning cache file (``OVERLAP_TUNE_CACHE`` or ``~/.cache/overlap/tuned.json``)."""
     default = os.path.join(os.path.expanduser("~"), ".cache", "overlap", "tuned.json")
     return os.environ.get("OVERLAP_TUNE_CACHE", default)
-
-
-def registry_key(group, M: int, N: int, K: int, dtype: torch.dtype, collective: str) -> tuple:
-    return (group_name(group), M, N, K, str(dtype), collective)
-
-
-def lookup(group, M: int, N: int, K: int, dtype: torch.dtype, collective: str):
-    """The tuned choice for a call, or None (never tuned in this process)."""
-    if not _registry:
-        return None
-    return _registry.get(registry_key(group, M, N, K, dtype, collective))
 
 
 def _cache_key(
@@ -162,9 +150,7 @@ def tune(
             ``iters`` < 1, or arguments ``matmul_collective`` refuses.
         RuntimeError: called while the current CUDA stream is being captured.
     """
-    from .api import _capturing, _check, matmul_collective  # api imports this module
-
-    _check(x, w, collective, "sum", "torch")
+    _check(x, w, collective, "sum", "torch", group)
     if _capturing(x):
         raise RuntimeError("overlap.tune times calls: run it before CUDA-graph capture")
     if not candidates or iters < 1:
@@ -177,7 +163,7 @@ def tune(
     M, K, N = math.prod(x.shape[:-1]), x.shape[-1], w.shape[1]
     R = dist.get_world_size(group)
     key = _cache_key(x, M, N, K, R, collective, count_host)
-    rkey = registry_key(group, M, N, K, x.dtype, collective)
+    rkey = tuned_key(group, M, N, K, x.dtype, collective)
     path = cache_path()
     found = [None]
     if use_cache and dist.get_rank(group) == 0:
@@ -189,8 +175,8 @@ def tune(
         result = Tuned(entry["choice"], entry.get("ms", {}), "cache")
     else:
         medians = []
-        # "plain" is timed through the registry (calls with chunks=None consult it)
-        _registry[rkey] = "plain"
+        # "plain" is timed through the tuned choices (calls with chunks=None consult them)
+        set_tuned(rkey, "plain")
         try:
             for c in candidates:
                 chunks = None if c == "plain" else c
@@ -203,7 +189,7 @@ def tune(
                 times = [max(s) if count_host else s[0] for s in samples]
                 medians.append(statistics.median(times))
         finally:
-            del _registry[rkey]
+            set_tuned(rkey, None)
         t = torch.tensor(medians, dtype=torch.float64, device=x.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)  # identical on every rank
         ms = {str(c): v for c, v in zip(candidates, t.tolist(), strict=True)}
@@ -211,5 +197,5 @@ def tune(
         result = Tuned(choice, ms, "measured")
         if use_cache and dist.get_rank(group) == 0:
             _write_cache(path, key, {"choice": choice, "ms": ms, "date": time.strftime("%F")})
-    _registry[rkey] = result.choice
+    set_tuned(rkey, result.choice)
     return result

@@ -173,7 +173,7 @@ def check_grad_case(
     """Backward of one ``overlap.matmul_collective`` call on this rank (``x [..., K]`` and
     ``w = weight.t()``, both requiring grad), against float64 autograd over every rank's
     inputs: the loss is ``<y, g>`` with one ``g`` for the replicated all-reduce result, and the
-    sum of every rank's ``<y_r, g_r>`` otherwise (``overlap.api._Backward``).
+    sum of every rank's ``<y_r, g_r>`` otherwise (``overlap.ops._Backward``).
 
     ``case`` is ``(collective, dtype, shape, op)``, ``shape`` as in ``check_case``."""
     collective, dtype, shape, op = case
@@ -296,13 +296,13 @@ def fault_scenarios(rank: int, R: int, scenario: str, device: str) -> list[str]:
 
             orig_run = PeerTransport.run
 
-            def dying_run(self, p, p_flat, out2, wait, stream):
+            def dying_run(self, p, slots, out, wait, stream):
                 def wait_or_die(c):
                     if c == 1:  # rank 0's own tiles of this band wait for it in the kernel
                         os._exit(0)
                     wait(c)
 
-                return orig_run(self, p, p_flat, out2, wait_or_die, stream)
+                return orig_run(self, p, slots, out, wait_or_die, stream)
 
             PeerTransport.run = dying_run
         t0 = time.monotonic()

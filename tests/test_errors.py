@@ -76,42 +76,63 @@ def test_world_size_one_is_the_plain_matmul(collective):
     torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
 
 
+def test_bad_group():
+    x, w = _xw()
+    for call in (overlap.matmul_collective, overlap.plan):
+        with pytest.raises(TypeError, match="group must be"):
+            call(x, w, group="tp")
+
+
 def test_backend_choice_without_a_gpu():
     """The copy-engine transport needs CUDA tensors: on CPU "auto" and "ce" take the group's
-    own collectives; the other backends pass through unchanged."""
-    from overlap.api import _resolve_backend
-    from overlap.plan import make_plan
+    own collectives, and the plan names the transport it runs."""
+    from overlap.ops import _plan_for
 
-    x = torch.randn(128, 16)
-    p = make_plan(128, 64, 16, world_size=2, collective="reduce_scatter", dtype_bits=32,
-                  interpreter=True, chunks=2)  # fmt: skip
-    assert p.path == "overlap"
-    assert _resolve_backend("auto", p, x, None) == "torch"
-    assert _resolve_backend("ce", p, x, None) == "torch"
-    assert _resolve_backend("cupy", p, x, None) == "cupy"
+    x, w = torch.randn(128, 16), torch.randn(16, 64)
+    with _two_rank_world():
+        for backend in ("auto", "ce", "torch"):
+            p, _ = _plan_for(x, w, "reduce_scatter", None, 2, backend, False)
+            assert p.transport == "torch" and not p.blocked, (backend, p)
+        overlap.release()
 
 
-def test_backend_choice_by_road():
-    """On CUDA, "auto" takes the copy-engine transport over P2P for any world size and
-    through host memory for 2 ranks only (measured slower than sequential at 4); "ce" takes
-    any road and raises without one; column-band plans go to NCCL."""
-    from overlap.api import _by_route
-    from overlap.plan import make_plan
+def _two_rank_world():
+    """A fake world of 2 ranks in this process (no collective runs in the callers)."""
+    import contextlib
 
-    def rows(R, M=512):
-        return make_plan(M, 256, 64, world_size=R, collective="reduce_scatter", dtype_bits=16,
-                         interpreter=True, chunks=2 * R, num_sms=4)  # fmt: skip
+    import torch.distributed as dist
+    from torch.testing._internal.distributed import fake_pg  # noqa: F401 (registers "fake")
+
+    @contextlib.contextmanager
+    def world():
+        store = dist.HashStore()
+        dist.init_process_group("fake", store=store, rank=0, world_size=2)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+    return world()
+
+
+def test_transport_choice_by_road():
+    """On CUDA, "auto" takes the copy engines over P2P for any world size and through host
+    memory for 2 ranks only (measured slower than sequential at 4); "ce" takes any road and
+    raises without one; column-band plans (decode-sized M) and M not divisible by R go to
+    NCCL; "torch" and "cupy" are taken as asked."""
+    from overlap.comm import choose
 
     for R in (2, 4):
-        assert rows(R).n_col_bands == 1
-        assert _by_route("auto", "peer", rows(R)) == "ce"
-        assert _by_route("ce", "host", rows(R)) == "ce"
-        assert _by_route("auto", None, rows(R)) == "torch"
+        kw = dict(world_size=R, rows_split=True, rows_divisible=True)
+        assert choose("auto", "peer", **kw) == "ce"
+        assert choose("ce", "host", **kw) == "ce"
+        assert choose("auto", None, **kw) == "torch"
+        assert choose("cupy", "peer", **kw) == "cupy"
         with pytest.raises(ValueError, match="one host"):
-            _by_route("ce", None, rows(R))
-    assert _by_route("auto", "host", rows(2)) == "ce"
-    assert _by_route("auto", "host", rows(4)) == "torch"
-    cols = make_plan(16, 8192, 4096, world_size=2, collective="all_reduce", dtype_bits=16,
-                     interpreter=True, chunks=4)  # fmt: skip
-    assert cols.path == "overlap" and cols.n_col_bands > 1
-    assert _by_route("auto", "peer", cols) == _by_route("ce", "peer", cols) == "torch"
+            choose("ce", None, **kw)
+        for bad in (dict(rows_split=False), dict(rows_divisible=False)):
+            assert choose("auto", "peer", **{**kw, **bad}) == "torch"
+            assert choose("ce", "peer", **{**kw, **bad}) == "torch"
+    two = dict(rows_split=True, rows_divisible=True)
+    assert choose("auto", "host", world_size=2, **two) == "ce"
+    assert choose("auto", "host", world_size=4, **two) == "torch"

@@ -118,7 +118,7 @@ def _ce_specifics(rank, R, seed, want_route):
     import torch.distributed as dist
 
     import overlap
-    from overlap.api import _context, _resolve_backend, _routes
+    from overlap.context import context
     from overlap.signal import wait as signal_wait
 
     dev = torch.device(f"cuda:{rank}")
@@ -130,18 +130,19 @@ def _ce_specifics(rank, R, seed, want_route):
         ):
             x = torch.empty(M, K, device=dev, dtype=torch.bfloat16)
             w = torch.empty(K, N, device=dev, dtype=torch.bfloat16)
-            got = _resolve_backend("auto", overlap.plan(x, w, coll, chunks=chunks), x, None)
+            got = overlap.plan(x, w, coll, chunks=chunks).transport
             if got != want:
                 failures.append(f"{coll} {M}x{N}x{K} chunks={chunks}: auto took {got}, not {want}")
-    if _routes[(None, str(dev))] != want_route:
-        failures.append(f"route {_routes[(None, str(dev))]}, expected {want_route}")
+    road = context(None, dev).road()
+    if road != want_route:
+        failures.append(f"route {road}, expected {want_route}")
     shapes = [(512, 256, 512), (4096, 1024, 4096), (1000, 1000, 3000), (512, 256, 512)]
     for i, shape in enumerate(shapes * 2):
         coll = COLLECTIVES[i % 3]
         dtype = (torch.bfloat16, torch.float16, torch.float32)[i % 3]
         msg = check_case(rank, R, str(dev), coll, dtype, shape, seed + i, backend="ce", chunks=4)
         failures += [msg] if msg else []
-    kind = type(_context(None, dev)._peer).__name__
+    kind = type(context(None, dev)._transports.get("ce")).__name__
     if kind != {"peer": "PeerTransport", "host": "HostTransport"}[want_route]:
         failures.append(f"the calls went through {kind}")
     signal_wait._method = "spin"  # as without cuda-python: a new group gets no route
@@ -149,7 +150,7 @@ def _ce_specifics(rank, R, seed, want_route):
     x = torch.randn(2048, 1024, device=dev, dtype=torch.bfloat16)
     w = torch.randn(1024, 2048, device=dev, dtype=torch.bfloat16)
     p = overlap.plan(x, w, "reduce_scatter", chunks=4, group=group)
-    if _resolve_backend("auto", p, x, group) != "torch":
+    if p.transport != "torch":
         failures.append("auto did not fall back to NCCL without a route")
     try:
         overlap.matmul_collective(x, w, "reduce_scatter", chunks=4, backend="ce", group=group)
@@ -171,7 +172,6 @@ def _four_ranks(rank, R, seed, want_backend):
     plan (the copy-engine transport with P2P; NCCL per chunk without it: the host road lost
     at R = 4) and every result against float64, over shapes with M divisible by 4."""
     import overlap
-    from overlap.api import _resolve_backend
 
     dev = torch.device(f"cuda:{rank}")
     failures = []
@@ -180,7 +180,7 @@ def _four_ranks(rank, R, seed, want_backend):
             dtype = (torch.bfloat16, torch.float32)[i % 2]
             x = torch.empty(*shape[:-1], device=dev, dtype=dtype)
             w = torch.empty(*shape[-2:], device=dev, dtype=dtype)
-            got = _resolve_backend("auto", overlap.plan(x, w, coll, chunks=8), x, None)
+            got = overlap.plan(x, w, coll, chunks=8).transport
             if got != want_backend:
                 failures.append(f"{coll} {shape}: auto took {got}, not {want_backend}")
             msg = check_case(rank, R, str(dev), coll, dtype, shape, seed + 10 * i, backend="auto",
@@ -192,7 +192,7 @@ def _four_ranks(rank, R, seed, want_backend):
 @pytest.mark.parametrize("p2p", ["nvlink", "no_p2p"])
 def test_four_gpus(p2p, monkeypatch):
     """World size 4 (a 4-GPU machine; skipped with fewer GPUs). Not yet run on GPUs: the
-    fifth session measured R = 4 through the bench only (BENCHMARKS.md, step 22)."""
+    R = 4 was measured through the bench only (BENCHMARKS.md, four GPUs)."""
     if not torch.cuda.is_available() or torch.cuda.device_count() < 4:
         pytest.skip("needs 4 CUDA GPUs")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
@@ -227,14 +227,14 @@ def _streams_wrap_specials(rank, R, seed):
     import torch.distributed as dist
 
     import overlap
-    from overlap.api import _context
+    from overlap.context import context
     from overlap.signal import ChunkCounters
 
     dev = torch.device(f"cuda:{rank}")
     failures = []
     # Counters just below 2**32: cuStreamWaitValue32(GEQ) must compare cyclically.
-    ctx = _context(None, dev)
-    ctx.counters = ChunkCounters(dev, start=(1 << 32) - 5)
+    ctx = context(None, dev)
+    ctx._counters = ChunkCounters(dev, start=(1 << 32) - 5)
     for i in range(6):
         coll = COLLECTIVES[i % 3]
         msg = check_case(
@@ -394,7 +394,8 @@ def _launch_memo(rank, R, seed):
     from triton import knobs
     from triton.runtime.jit import compute_cache_key
 
-    from overlap.gemm import Fuse, chunked_matmul
+    from overlap.contract import Epilogue
+    from overlap.gemm import chunked_matmul
     from overlap.gemm import matmul as mm
     from overlap.plan import make_plan
     from overlap.signal import ChunkCounters
@@ -445,7 +446,7 @@ def _launch_memo(rank, R, seed):
         flags = torch.full((64,), i + 1, device=dev, dtype=torch.int32)
         cnt = ChunkCounters(dev)
         chunked_matmul(x, w, torch.empty(M * N, device=dev, dtype=torch.bfloat16), cnt.tensor,
-                       bp, fuse=Fuse(out, recv, flags, i + 1, 0, True))  # fmt: skip
+                       bp, epilogue=Epilogue(out, recv, flags, i + 1, 0))  # fmt: skip
         ref = (x.double() @ w.double())[: M // 2] + recv[1].double()
         why = mismatch(out, ref, TOL[torch.bfloat16])
         failures += [f"fused launch {i}: {why}"] if why else []
@@ -469,8 +470,8 @@ def _host_road_one_gpu(rank, R, seed):
     """2 ranks on GPU 0 over gloo: the copy-engine transport's road through host memory, with
     the real fused kernel (the GPU is time-sliced between the two processes). Row-band plans
     only: others fall back to the group's collectives, and gloo has no all-to-all."""
-    from overlap.api import _contexts
     from overlap.comm import HostTransport
+    from overlap.context import _contexts
 
     torch.cuda.set_device(0)
     failures = []
@@ -485,7 +486,7 @@ def _host_road_one_gpu(rank, R, seed):
         msg = check_case(rank, R, "cuda:0", coll, torch.bfloat16, (1024, 256, 768), seed + 99,
                          backend="ce", chunks=2, specials=True)  # fmt: skip
         failures += [msg] if msg else []
-    roads = [type(c._peer).__name__ for c in _contexts.values()]
+    roads = [type(c._transports.get("ce")).__name__ for c in _contexts.values()]
     if not roads or any(r != HostTransport.__name__ for r in roads):
         failures.append(f"transports of the calls' contexts: {roads}, expected the host road")
     return failures

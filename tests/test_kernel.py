@@ -11,6 +11,8 @@ import pytest
 import torch
 from _dist import mismatch, poison_with_specials
 
+from overlap.collectives import COLLECTIVES
+from overlap.contract import Epilogue
 from overlap.gemm import chunked_matmul
 from overlap.plan import make_plan
 from overlap.signal import ChunkCounters, reached, wait_counter
@@ -28,12 +30,20 @@ def _standard(p, flat):
     return std
 
 
-@pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter", "all_to_all"])
+def _misaligned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (2-D, rows contiguous) as a view whose rows start one element off 16 bytes, so
+    the kernel loads it through pointers instead of TMA."""
+    wide = torch.empty(t.shape[0], t.shape[1] + 1, dtype=t.dtype)
+    wide[:, 1:] = t
+    return wide[:, 1:]
+
+
+@pytest.mark.parametrize("collective", COLLECTIVES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("shape", [(200, 70, 48), (96, 64, 64), (130, 97, 45), (24, 130, 32)])
-@pytest.mark.parametrize(("tma", "programs"), [(True, None), (False, None), (True, 5)])
-def test_kernel_writes_every_slot(collective, dtype, shape, tma, programs):
-    """``programs=5``: persistent, each program loops over every 5th tile."""
+@pytest.mark.parametrize("aligned", [True, False])
+def test_kernel_writes_every_slot(collective, dtype, shape, aligned):
+    """``aligned``: TMA loads of x and w; else pointer loads."""
     M, N, K = shape
     R = 3 if M % 3 == 0 else 2
     p = make_plan(
@@ -51,9 +61,11 @@ def test_kernel_writes_every_slot(collective, dtype, shape, tma, programs):
     w = torch.randn(N, K).to(dtype).t()  # linear.weight.t(): K-contiguous
     if shape[0] == 96:
         w = w.contiguous()  # and the [K, N] row-major layout
+    if not aligned:
+        x, w = _misaligned(x), _misaligned(w.t()).t()
     flat = torch.full((M * N,), float("nan"), dtype=dtype)
     counters = ChunkCounters(torch.device("cpu"))
-    chunked_matmul(x, w, flat, counters.tensor, p, scale=0.5, use_tma=tma, programs=programs)
+    chunked_matmul(x, w, flat, counters.tensor, p, scale=0.5)
     got = _standard(p, flat)
     ref = 0.5 * (x.double() @ w.double())
     assert not torch.isnan(got).any(), "unwritten elements"
@@ -63,14 +75,15 @@ def test_kernel_writes_every_slot(collective, dtype, shape, tma, programs):
     assert not counters.tensor[p.n_chunks :].any()
 
 
-def test_programs_must_be_positive():
+def test_epilogue_needs_a_blocked_plan():
     p = make_plan(
         64, 64, 32, world_size=2, collective="all_reduce", dtype_bits=32, interpreter=True, chunks=2
     )
     counters = ChunkCounters(torch.device("cpu"))
-    with pytest.raises(ValueError, match="programs"):
+    epi = Epilogue(torch.empty(64, 64), torch.empty(2, 32, 64), counters.tensor, 1, 0)
+    with pytest.raises(ValueError, match="blocked plan"):
         chunked_matmul(torch.randn(64, 32), torch.randn(32, 64), torch.empty(64 * 64),
-                       counters.tensor, p, programs=0)  # fmt: skip
+                       counters.tensor, p, epilogue=epi)  # fmt: skip
 
 
 def test_counters_wrap_around():
@@ -116,20 +129,18 @@ def test_nan_and_inf_land_where_the_product_has_them(dtype):
     assert not mismatch(_standard(p, flat), x.double() @ w.double(), TOL[dtype])
 
 
-@pytest.mark.parametrize("collective", ["all_reduce", "reduce_scatter", "all_to_all"])
+@pytest.mark.parametrize("collective", COLLECTIVES)
 @pytest.mark.parametrize(
     ("R", "rank", "shape"),
     [(2, 0, (128, 70, 48)), (2, 1, (200, 64, 40)), (3, 2, (192, 45, 33)), (3, 1, (192, 64, 33))],
 )
-@pytest.mark.parametrize(("programs", "specials"), [(None, False), (3, False), (None, True)])
-def test_blocked_plan_fused_epilogue(collective, R, rank, shape, programs, specials):
+@pytest.mark.parametrize("specials", [False, True])
+def test_blocked_plan_fused_epilogue(collective, R, rank, shape, specials):
     """The copy-engine transport's kernel on one rank: the peers' bands go to the slot buffer
     (standard rows), this rank's block goes to ``out`` with every peer's pushed partial added
     (all-to-all: stored as is); flags hold the epoch just below the 2**32 wrap. ``specials``:
     NaN and Inf in x and w, this rank's block included: they must land where the product has
     them, with the partials added to the rest."""
-    from overlap.gemm import Fuse
-
     M, N, K = shape
     p = make_plan(
         M, N, K, world_size=R, collective=collective, dtype_bits=32, interpreter=True,
@@ -149,8 +160,8 @@ def test_blocked_plan_fused_epilogue(collective, R, rank, shape, programs, speci
     flat = torch.full((M * N,), float("nan"))
     out = torch.full((B if collective == "reduce_scatter" else M, N), float("nan"))
     counters = ChunkCounters(torch.device("cpu"))
-    fuse = Fuse(out, recv, flags, epoch, rank, add=collective != "all_to_all")
-    chunked_matmul(x, w, flat, counters.tensor, p, scale=0.5, fuse=fuse, programs=programs)
+    epi = Epilogue(out, recv, flags, epoch, rank)
+    chunked_matmul(x, w, flat, counters.tensor, p, scale=0.5, epilogue=epi)
     prod = 0.5 * (x.double() @ w.double())
     own = slice(rank * B, (rank + 1) * B)
     peers = [s for s in range(R) if s != rank]
@@ -159,7 +170,7 @@ def test_blocked_plan_fused_epilogue(collective, R, rank, shape, programs, speci
         block = slice(s * B, (s + 1) * B)
         assert mismatch(got[block], prod[block], 1e-5) is None
     assert torch.isnan(got[own]).all(), "this rank's block must not go to the slot buffer"
-    want = prod[own] + (sum(recv[s].double() for s in peers) if fuse.add else 0)
+    want = prod[own] + (sum(recv[s].double() for s in peers) if p.spec.reduces else 0)
     mine = out if collective == "reduce_scatter" else out[own]
     assert mismatch(mine.double(), want, 1e-5) is None
     if collective != "reduce_scatter":

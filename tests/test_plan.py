@@ -10,8 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from overlap.comm import run_chunks
-from overlap.plan import COLLECTIVES, MAX_CHUNKS, Tiles, make_plan
+from overlap.collectives import COLLECTIVES
+from overlap.comm.nccl import _chunks
+from overlap.plan import MAX_CHUNKS, Tiles, make_plan
 
 
 @st.composite
@@ -198,7 +199,7 @@ def tiled_plans(draw):
 @settings(max_examples=150, deadline=None)
 @given(tiled_plans(), st.integers(0, 2**31))
 def test_chunk_collectives_restore_the_standard_layout(p, seed):
-    """Every rank's product written into slots as the plan says, then ``run_chunks`` on R
+    """Every rank's product written into slots as the plan says, then NCCL's chunks on R
     simulated ranks: the results equal the plain collective of the plain products, and every
     element of the result is written (the result starts as NaN)."""
     if p.path != "overlap":
@@ -225,7 +226,7 @@ def test_chunk_collectives_restore_the_standard_layout(p, seed):
             p_flat = out.view(-1) if p.collective == "all_reduce" and p.n_col_bands == 1 else flat
             if p_flat is not flat:
                 p_flat.copy_(flat)
-            run_chunks(p, comm.rank(r), p_flat, out, recv, lambda c: None)
+            _chunks(p, comm.rank(r), p_flat, out, recv, lambda c: None)
             results[r] = out
         except Exception as e:  # pragma: no cover - reported below
             errors.append(repr(e))

@@ -95,8 +95,8 @@ def test_tune_rejects_bad_candidates():
 
 
 def test_tune_refuses_graph_capture(monkeypatch):
-    import overlap.api as api
+    import overlap.tuner as tuner
 
-    monkeypatch.setattr(api, "_capturing", lambda t: True)
+    monkeypatch.setattr(tuner, "_capturing", lambda t: True)
     with pytest.raises(RuntimeError, match="CUDA-graph capture"):
         overlap.tune(torch.randn(8, 4), torch.randn(4, 8), candidates=(2,))

@@ -1,20 +1,17 @@
-"""Single-GPU sweep of the chunk-slot GEMM (TMA loads, w = weight.t()) over tile configs and
-launch modes, against cuBLAS; each variant's product is also checked against cuBLAS's and its
-chunk counters against the plan.
+"""Single-GPU sweep of the chunk-slot GEMM (w = weight.t()) over tile configs, against cuBLAS;
+each variant's product is also checked against cuBLAS's and its chunk counters against the plan.
 
 Usage: python tools/gemm_sweep.py OUT.json [--fp32] [--configs "BM,BN,BK,W,S[,MODE];..."]
     [--ir FILE]  (append each variant's TTGIR on the first shape to FILE)
 
-MODE: ``grid`` (one program per tile, the default), ``persistent`` (one program per SM, each
-looping over tiles, the loop flattened), ``persistent_nf`` (not flattened); a ``fused_``
-prefix runs the copy-engine transport's kernel instead (blocked plan, rank 0 of 2, this
-rank's block adding a peer partial whose flags are already set), ``blocked_`` the plain kernel
-on the transport's blocked plan. Each variant is timed
-twice: ``ms`` by ``triton.testing.do_bench`` (back to back, L2 flushed) and ``queued_ms`` as
-``overlap.bench`` times (a ~1 ms GPU sleep before each call, CUDA events around it; the
-functions take turns). Rows also hold the kernel's registers, spills and counts of some
-TTGIR ops (whether the K loop was software-pipelined). Prints one line per variant and,
-last, "best ..." (least total queued time).
+MODE: ``grid`` (the kernel on the NCCL path's plan, the default), ``blocked`` (the plain kernel
+on a copy-engine transport's blocked plan), ``fused`` (the copy-engine transport's kernel:
+blocked plan, rank 0 of 2, this rank's block adding a peer partial whose flags are already
+set). Each variant is timed twice: ``ms`` by ``triton.testing.do_bench`` (back to back, L2
+flushed) and ``queued_ms`` as ``overlap.bench`` times (a ~1 ms GPU sleep before each call,
+CUDA events around it; the functions take turns). Rows also hold the kernel's registers,
+spills and counts of some TTGIR ops (whether the K loop was software-pipelined). Prints one
+line per variant and, last, "best ..." (least total queued time).
 ``--fp32``: fp32 inputs instead (the kernel's three-TF32-product path against cuBLAS fp32).
 """
 
@@ -25,18 +22,16 @@ import sys
 import torch
 from triton.testing import do_bench
 
-from overlap.gemm.matmul import Fuse, chunked_matmul
+from overlap.contract import Epilogue
+from overlap.gemm import chunked_matmul
 from overlap.plan import Tiles, make_plan
 from overlap.tuner import time_queued
 
 SHAPES = [(4096, 8192, 4096), (8192, 8192, 14336), (16384, 8192, 4096), (8192, 4096, 4096)]
 # (block_m, block_n, block_k, num_warps, num_stages, mode)
-CONFIGS = [
-    (256, 128, 64, 8, 4, "grid"), (256, 128, 64, 8, 4, "persistent"),
-    (128, 256, 64, 8, 3, "persistent"), (128, 256, 64, 8, 4, "persistent"),
-    (256, 128, 64, 8, 4, "fused_grid"), (128, 256, 64, 8, 3, "fused_persistent"),
-]  # fmt: skip
-FP32_CONFIGS = [(128, 64, 32, 4, 4, "grid"), (128, 64, 32, 4, 4, "persistent")]
+CONFIGS = [(256, 128, 64, 8, 4, "grid"), (256, 128, 64, 8, 4, "blocked"),
+           (256, 128, 64, 8, 4, "fused")]  # fmt: skip
+FP32_CONFIGS = [(128, 64, 32, 4, 4, "grid")]
 IR_OPS = ("scf.for", "async_tma_copy_global_to_local", "warp_group_dot_wait", "ttg.local_alloc")
 
 
@@ -59,31 +54,27 @@ def _parse(spec: str) -> tuple:
     return (*(int(v) for v in parts[:5]), parts[5] if len(parts) > 5 else "grid")
 
 
-def _variant(x, w, y, cfg, sms, dtype):
+def _variant(x, w, y, cfg, dtype):
     """(launch, check) for one variant: ``launch()`` runs it, ``check()`` returns the error
     against cuBLAS's ``y`` and whether the counters grew by the plan's tiles per chunk."""
     M, K = x.shape
     N = w.shape[1]
     *tile, mode = cfg
-    fused = mode.startswith("fused_")
-    blocked = fused or mode.startswith("blocked_")
-    mode = mode.removeprefix("fused_").removeprefix("blocked_")
+    blocked = mode != "grid"
     plan = make_plan(
         M, N, K, world_size=2, collective="all_reduce", dtype_bits=dtype.itemsize * 8,
         tiles=Tiles(*tile), blocked=blocked, **({"chunks": 4} if blocked else {}),
     )  # fmt: skip
-    kw = dict(
-        programs=None if mode == "grid" else sms,
-        flatten=False if mode.endswith("_nf") else None,
-    )
+    kw = {}
     cnt = torch.zeros(64, dtype=torch.int32, device="cuda")
     p = torch.full((M * N,), float("nan"), device="cuda", dtype=dtype)
     out = torch.full((M, N), float("nan"), device="cuda", dtype=dtype)
+    fused = mode == "fused"
     if fused:  # rank 0: block 0 is its own, to which rank 1's partial is added; flags are set
         recv = torch.randn(2, M // 2, N, device="cuda", dtype=dtype)
         recv[0] = float("nan")  # rank 0's own slot is never read
         flags = torch.full((64,), 1 << 30, dtype=torch.int32, device="cuda")
-        kw["fuse"] = Fuse(out, recv, flags, 1, 0, True)
+        kw["epilogue"] = Epilogue(out, recv, flags, 1, 0)
     calls = [0]
 
     def launch():
@@ -106,7 +97,6 @@ def main(out_path, fp32=False, configs=None, ir_path=None):
     dtype = torch.float32 if fp32 else torch.bfloat16
     configs = configs or (FP32_CONFIGS if fp32 else CONFIGS)
     shapes = [(2048, 4096, 4096), (4096, 8192, 4096)] if fp32 else SHAPES
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows, total = [], {c: 0.0 for c in configs}
     for M, N, K in shapes:
         x = torch.randn(M, K, device="cuda", dtype=dtype)
@@ -120,7 +110,7 @@ def main(out_path, fp32=False, configs=None, ir_path=None):
             row = dict(shape=(M, N, K), kernel="ours", config=cfg)
             shape_rows[cfg] = row
             try:
-                launch, check = _variant(x, w, y, cfg, sms, dtype)
+                launch, check = _variant(x, w, y, cfg, dtype)
                 k = launch()
                 ir = k.asm.get("ttgir", "")
                 if ir_path and (M, N, K) == shapes[0]:

@@ -1,19 +1,18 @@
-"""Host cost of the calls an overlapped call makes, on one GPU: what a copy-engine transport
-call spends its host time on (NOTES.md: 0.3-0.95 ms per call on 2x H200).
+"""Host cost of the calls an overlapped call makes, on one GPU: what a copy-engine transport call
+spends its host time on (NOTES.md: 0.3-0.95 ms per call on 2x H200).
 
     python tools/host_calls.py OUT.json
 
-Times, in microseconds of host time per call (the GPU is kept busy by a sleep kernel so
-that no call waits for it): cuda-python's stream memory write and wait and ``cuMemcpyAsync``,
-the same three through ``ctypes`` on ``libcuda`` directly, one ``cuStreamBatchMemOp`` of 8
-writes, and the launch of the chunk GEMM (grid, persistent, and the fused kernel on its
-grid; as the library launches it, and through Triton's JIT every time, taking turns; and a
-profile of the fused launch) next to ``torch.matmul``'s; ``_driver()`` (the driver module,
-looked up for every driver call) uncached and cached; the same ops queued behind a stream
-wait that is not met yet (as on a real call's communication stream); and the Python of the
-copy-engine transport's ``begin`` + ``run`` for one call of rank 0 of 2, its driver calls
-stubbed out (a local buffer stands in for the symmetric one).
-"""
+Times, in microseconds of host time per call (the GPU is kept busy by a sleep kernel so that no
+call waits for it): cuda-python's stream memory write and wait and ``cuMemcpyAsync``, the same
+three through ``ctypes`` on ``libcuda`` directly, one ``cuStreamBatchMemOp`` of 8 writes, and
+the launch of the chunk GEMM (the plain kernel and the fused one; as the library launches it,
+and through Triton's JIT every time, taking turns; and a profile of the fused launch) next to
+``torch.matmul``'s; ``_driver()`` (the driver module, looked up for every driver call) uncached
+and cached; the same ops queued behind a stream wait that is not met yet (as on a real call's
+communication stream); and the Python of the copy-engine transport's ``begin`` + ``run`` for one
+call of rank 0 of 2, its driver calls stubbed out (a local buffer stands in for the symmetric
+one)."""
 
 from __future__ import annotations
 
@@ -47,7 +46,8 @@ def _per_call(fn, n: int = 200, rounds: int = 5) -> float:
 def main(out_path: str) -> None:
     from cuda.bindings import driver as drv
 
-    from overlap.gemm import Fuse, chunked_matmul
+    from overlap.contract import Epilogue
+    from overlap.gemm import chunked_matmul
     from overlap.plan import make_plan
 
     res = {}
@@ -139,15 +139,12 @@ def main(out_path: str) -> None:
     y = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
     res["torch.matmul launch"] = _per_call(lambda: torch.matmul(x, w, out=y), n=50)
     cnt = torch.zeros(64, dtype=torch.int32, device="cuda")
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
     plan = make_plan(M, N, K, world_size=2, collective="all_reduce", dtype_bits=16)
     bplan = make_plan(M, N, K, world_size=2, collective="all_reduce", dtype_bits=16, blocked=True)
     recv = torch.zeros(2, M // 2, N, device="cuda", dtype=torch.bfloat16)
     kflags = torch.ones(64, dtype=torch.int32, device="cuda")  # epoch 1 already there
-    fuse = Fuse(y, recv, kflags, 1, 0, True)
-    # (the fused kernel with its default tiles does not fit shared memory persistent)
-    for name, p, kw in (("grid", plan, {}), ("persistent", plan, {"programs": sms}),
-                        ("fused grid", bplan, {"fuse": fuse})):  # fmt: skip
+    epi = Epilogue(y, recv, kflags, 1, 0)
+    for name, p, kw in (("grid", plan, {}), ("fused grid", bplan, {"epilogue": epi})):
         chunked_matmul(x, w, y.view(-1), cnt, p, **kw)
         for turn in (1, 2):  # taking turns: the first runs after a compile measured slower
             res[f"chunk GEMM launch, {name} ({turn})"] = _per_call(
@@ -158,7 +155,7 @@ def main(out_path: str) -> None:
                     lambda p=p, kw=kw: chunked_matmul(x, w, y.view(-1), cnt, p, **kw), n=50
                 )
     res["launch profile (fused grid, memo)"] = _profile(
-        lambda: chunked_matmul(x, w, y.view(-1), cnt, bplan, fuse=fuse)
+        lambda: chunked_matmul(x, w, y.view(-1), cnt, bplan, epilogue=epi)
     )
     from overlap.signal import wait as wait_mod
 
@@ -213,7 +210,8 @@ def _transport_python() -> dict:
     """Microseconds of Python per ``begin`` + ``run`` of the copy-engine transport (rank 0 of
     2, driver calls stubbed), for the bench's large shapes' plans."""
     from overlap.comm import peer as peer_mod
-    from overlap.comm.peer import _FLAGS_BYTES, PeerTransport
+    from overlap.comm.peer import PeerTransport
+    from overlap.contract import FLAGS_BYTES
     from overlap.plan import make_plan
 
     class Stub:  # the driver calls the transport makes, doing nothing
@@ -236,16 +234,15 @@ def _transport_python() -> dict:
                 t.group, t.device, t.rank, t.size, t.epoch, t.broken = None, None, 0, 2, 0, False
                 t._views = {}
                 stream = types.SimpleNamespace(cuda_stream=0)  # run reads its handle
-                t.buf = torch.empty(_FLAGS_BYTES + 2 * M * N * 2, dtype=torch.uint8, device="cuda")
+                t.buf = torch.empty(FLAGS_BYTES + 2 * M * N * 2, dtype=torch.uint8, device="cuda")
                 t.ptrs = [t.buf.data_ptr()] * 2
                 out = torch.empty(M if coll == "all_reduce" else M // 2, N, device="cuda",
                                   dtype=torch.bfloat16)  # fmt: skip
-                p_flat = out.view(-1)
-                t.begin(p, torch.bfloat16, out)  # first-use imports (Triton) stay out of it
+                t.begin(p, out)
                 t0 = time.perf_counter()
                 for _ in range(500):
-                    t.begin(p, torch.bfloat16, out)
-                    t.run(p, p_flat, out, lambda c: None, stream)
+                    slots, _ = t.begin(p, out)
+                    t.run(p, slots, out, lambda c: None, stream)
                 us = (time.perf_counter() - t0) / 500 * 1e6
                 res[f"transport Python, {coll} {M}x{N}, {p.n_chunks} chunks"] = us
                 del t

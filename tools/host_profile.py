@@ -29,7 +29,7 @@ def main() -> None:
     import torch.distributed as dist
 
     import overlap
-    from overlap.api import _collective
+    from overlap.collectives import collective
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="4096x8192x4096")
@@ -55,14 +55,15 @@ def main() -> None:
                       device=dev)  # fmt: skip
 
     def plain():  # what users write today
-        _collective(args.collective, x @ w, out, None)
+        collective(args.collective).plain(x @ w, out, None)
 
     def ovl():
         overlap.matmul_collective(x, w, args.collective, out=out, backend=args.backend)
 
     lines = [f"{args.shape} {args.collective} backend={args.backend} {torch.__version__}"]
     runs = [("plain: x @ w, then the collective", plain)] if not args.one_gpu else []
-    for what, run in (*runs, (overlap.plan(x, w, args.collective).describe(), ovl)):
+    described = overlap.plan(x, w, args.collective, backend=args.backend).describe()
+    for what, run in (*runs, (described, ovl)):
         for _ in range(3):
             run()  # compile, make communicators
         torch.cuda.synchronize()

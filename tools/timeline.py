@@ -21,7 +21,9 @@ def measure(shape: str, collective: str, chunks: int | None, out: str, backend: 
     import triton.language as tl
 
     import overlap
-    from overlap.api import _blocked, _collective, _context, _overlapped, _resolve_backend
+    from overlap.collectives import collective as spec
+    from overlap.context import context
+    from overlap.ops import overlapped
 
     @triton.jit
     def _stamp(ptr, i):
@@ -43,15 +45,11 @@ def measure(shape: str, collective: str, chunks: int | None, out: str, backend: 
     g = torch.Generator(device=dev).manual_seed(7 + dist.get_rank())
     x = torch.randn(M, K, device=dev, dtype=torch.bfloat16, generator=g)
     w = torch.randn(N, K, device=dev, dtype=torch.bfloat16, generator=g).t()
-    p = overlap.plan(x, w, collective, chunks=chunks)
+    p = overlap.plan(x, w, collective, chunks=chunks, backend=backend)
     assert p.path == "overlap", p.describe()
-    rows = M // R if collective == "reduce_scatter" else M
-    out2 = torch.empty(rows, N, device=dev, dtype=torch.bfloat16)
-    ctx = _context(None, dev)
-    backend = _resolve_backend(backend, p, x, None)
-    comm = ctx.comm(backend)
-    ran = _blocked(p) if backend == "ce" else p  # the plan _overlapped runs
-    if backend == "ce":
+    out2 = torch.empty(spec(collective).result_shape((M, K), N, R), device=dev, dtype=x.dtype)
+    ctx = context(None, dev)
+    if p.transport == "ce":
         # No stamps: they are kernels on the communication stream, which the copy-engine
         # transport keeps free of SM work (the GEMM's waiting tiles could hold every SM).
         Trace.stamp = lambda self, i: None
@@ -62,7 +60,7 @@ def measure(shape: str, collective: str, chunks: int | None, out: str, backend: 
         dist.barrier()
         torch.cuda.synchronize()
         torch.cuda._sleep(2_000_000)  # the host queues the whole call first, as in the bench
-        _overlapped(x, w, out2, p, None, ctx, comm, trace)
+        overlapped(x, w, out2, p, None, ctx, False, trace)
         torch.cuda.synchronize()
         runs.append(trace)
     trace = runs[-1]
@@ -74,7 +72,7 @@ def measure(shape: str, collective: str, chunks: int | None, out: str, backend: 
     seq = {}
     for name, fn in (
         ("gemm", lambda: torch.matmul(x, w, out=y)),
-        ("comm", lambda: _collective(collective, y, out2, None)),
+        ("comm", lambda: spec(collective).plain(y, out2, None)),
     ):
         ms = []
         for _ in range(10):
@@ -97,8 +95,8 @@ def measure(shape: str, collective: str, chunks: int | None, out: str, backend: 
     }
     dist.all_gather_object(per_rank, record)
     if dist.get_rank() == 0:
-        meta = {"shape": shape, "collective": collective, "plan": ran.describe(),
-                "backend": backend, "device": torch.cuda.get_device_name(),
+        meta = {"shape": shape, "collective": collective, "plan": p.describe(),
+                "backend": p.transport, "device": torch.cuda.get_device_name(),
                 "torch": torch.__version__}  # fmt: skip
         with open(out, "w") as f:
             json.dump({"meta": meta, "ranks": per_rank}, f)

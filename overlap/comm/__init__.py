@@ -1,17 +1,20 @@
-"""Collectives per chunk (no Triton here)."""
+"""Transports: one protocol (``transport.Transport``), NCCL per chunk (``nccl.py``) and the
+copy engines (``peer.py`` GPU to GPU, ``host.py`` through host memory). No Triton here."""
 
-from .backends import BACKENDS, CupyComm, TorchComm, make_comm
-from .chunks import run_chunks
 from .host import HostTransport
+from .nccl import CupyComm, NcclTransport, TorchComm, make_comm
 from .peer import PeerTransport, route
+from .transport import BACKENDS, Transport, choose
 
 __all__ = [
     "BACKENDS",
     "CupyComm",
     "HostTransport",
+    "NcclTransport",
     "PeerTransport",
     "TorchComm",
+    "Transport",
+    "choose",
     "make_comm",
     "route",
-    "run_chunks",
 ]

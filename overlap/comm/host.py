@@ -26,13 +26,15 @@ import mmap
 import os
 import tempfile
 import uuid
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
+from ..contract import FLAGS_BYTES, kernel_flags_start
 from ..plan import Plan
 from ..signal.wait import _driver
-from .peer import _FLAGS_BYTES, PeerTransport, _check, receive_slots, slot_bytes
+from .peer import PeerTransport, _check, receive_slots, slot_bytes
 
 _DEVICEMAP_PORTABLE = 0x02 | 0x01  # CU_MEMHOSTREGISTER_DEVICEMAP | _PORTABLE
 
@@ -51,7 +53,7 @@ class HostTransport(PeerTransport):
         _, highest = torch.cuda.Stream.priority_range()
         self.recv_stream = torch.cuda.Stream(device, priority=highest)
         # the kernel's ARRIVED flags, in device memory; epochs only grow, so never reset
-        self.dflags = torch.zeros(_FLAGS_BYTES // 4, dtype=torch.int32, device=device)
+        self.dflags = torch.zeros(FLAGS_BYTES // 4, dtype=torch.int32, device=device)
 
     @property
     def nbytes(self) -> int:
@@ -62,15 +64,15 @@ class HostTransport(PeerTransport):
 
     def kernel_flag(self, index: int) -> int:
         """The kernel's ARRIVED flags are in device memory here (``dflags``)."""
-        return self.dflags.data_ptr() + 4 * (self.size + index)
+        return self.dflags.data_ptr() + 4 * (kernel_flags_start(self.size) + index)
 
     def _ensure(self, nbytes: int) -> None:
         """A shared host buffer with ``nbytes`` of slots per rank (a collective when it grows)."""
-        if self.mapping is not None and self.region >= _FLAGS_BYTES + nbytes:
+        if self.mapping is not None and self.region >= FLAGS_BYTES + nbytes:
             return
         torch.cuda.synchronize(self.device)  # nothing of ours uses the old buffers any more
         drv = _driver()
-        region = -(-(_FLAGS_BYTES + nbytes) // mmap.PAGESIZE) * mmap.PAGESIZE
+        region = -(-(FLAGS_BYTES + nbytes) // mmap.PAGESIZE) * mmap.PAGESIZE
         size = region * self.size
         path = [None]
         if self.rank == 0:
@@ -120,26 +122,40 @@ class HostTransport(PeerTransport):
         if key not in self._views:
             if len(self._views) >= 256:  # one entry per plan: varying M would grow it
                 self._views.clear()
-            self._views[key] = receive_slots(self.recv, p, dtype), self.dflags[self.size :]
+            flags = self.dflags[kernel_flags_start(self.size) :]
+            self._views[key] = receive_slots(self.recv, p, dtype), flags
         return self._views[key]
 
-    def run(self, p: Plan, p_flat: torch.Tensor, out2: torch.Tensor, wait, stream) -> None:
+    def run(
+        self,
+        p: Plan,
+        slots: torch.Tensor,
+        out: torch.Tensor,
+        wait: Callable[[int], None],
+        stream: torch.cuda.Stream,
+    ) -> None:
         """Sends on ``stream`` (``_send``); receives on a second stream, so that both
         directions of the PCIe link work at once: each band of this rank's block after its
-        flag in host memory, into the device receive slot and the kernel's flag (reduce-scatter,
-        all-reduce) or into ``out2`` (all-to-all); all-reduce's gathered bands into ``out2``.
-        ``stream`` then waits for the second stream."""
+        flag in host memory, into the device receive slot and the kernel's flag (when the
+        collective reduces: the kernel adds it) or into ``out`` (all-to-all); all-reduce's
+        gathered bands into ``out``. ``stream`` then waits for the second stream."""
         rs = self.recv_stream
         rs.wait_stream(stream)
-        self._send(p, p_flat, out2, wait, stream.cuda_stream, None)
-        into = self.recv.data_ptr() if p.collective != "all_to_all" else 0
+        self._send(p, slots, out, wait, stream.cuda_stream, None)
+        into = self.recv.data_ptr() if p.spec.reduces else 0
         for k in range(p.bands_per_block):
-            self._receive(p, out2, k, rs.cuda_stream, into)
-        if p.collective == "all_reduce":
+            self._receive(p, out, k, rs.cuda_stream, into)
+        if p.spec.replicated:
             for k in range(p.bands_per_block):
-                self._receive(p, out2, k, rs.cuda_stream)
+                self._receive(p, out, k, rs.cuda_stream)
         stream.wait_stream(rs)
 
     def _local_flags(self) -> list[int]:
         dev = self.dflags.data_ptr()
         return super()._local_flags() + [dev + 4 * i for i in range(self.dflags.numel())]
+
+    def close(self) -> None:
+        """Unmap the shared host buffer and free the device receive slots."""
+        super().close()
+        self._release()
+        self.recv = None

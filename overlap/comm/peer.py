@@ -1,13 +1,14 @@
 """Copy-engine transport (``backend="ce"``) for ranks whose GPUs map each other's memory.
 
 NCCL's collectives run as kernels: while the GEMM runs they take SMs from it and each chunk's
-collective took ~1.8x its time alone (NOTES.md, the timeline). Here chunks are *pushed* by the
+collective took ~1.8x its time alone (2x H200, the timeline tool). Here chunks are *pushed* by the
 GPU's copy engines (``cuMemcpyAsync`` into torch symmetric-memory mappings of the peers'
 buffers, which uses no SM), and the reduction happens in the GEMM's own epilogue.
 
 The plan is *blocked* (``make_plan(blocked=True)``): the standard row layout in ``R * b`` equal
 row bands, ``b`` per rank block of ``B = M / R`` rows. Rank ``r`` launches the bands starting
-at block ``r + 1`` so that its own block comes last (``gemm.Fuse``):
+at block ``r + 1`` so that its own block comes last (``overlap/contract.py``: the launch
+order, the flag layout and the kernel's ``Epilogue``):
 
 - a band of block ``d != r`` is stored in the slot buffer and, once its counter is reached,
   pushed into rank ``d``'s receive slot ``r``; then the flag ``ARRIVED[r][k]`` (band ``k`` of
@@ -25,10 +26,10 @@ communication stream, so no reduction or copy kernel runs after the GEMM. Data m
 rank: as NCCL's ring, (R - 1) / R of the product for reduce-scatter and all-to-all,
 2 (R - 1) / R for all-reduce.
 
-Buffer per rank (symmetric memory): flags (int32: ``READY[R]``, ``ARRIVED[R][b]``,
-``GATHERED[R][b]``), then receive slots ``[R, B, N]``, then (all-reduce) gather slots
-``[R, B, N]``. Flags are written by peers with ``cuStreamWriteValue32`` (which fences the
-stream's earlier copies) and awaited with ``cuStreamWaitValue32(GEQ)`` or, in the kernel,
+Buffer per rank (symmetric memory): flags (``contract.FlagLayout``: ``READY[R]``,
+``ARRIVED[R][b]``, ``GATHERED[R][b]``), then receive slots ``[R, B, N]``, then (all-reduce)
+gather slots ``[R, B, N]``. Flags are written by peers with ``cuStreamWriteValue32`` (which
+fences the stream's earlier copies) and awaited with ``cuStreamWaitValue32(GEQ)`` or, in the kernel,
 with acquire loads; values are the epoch of this transport's calls (ranks call in the same
 order, as with NCCL), compared cyclically. A call begins with ``READY`` to every peer and
 waits for theirs, so no buffer is written before its owner has finished the previous call
@@ -39,7 +40,11 @@ otherwise hold every SM while the push they wait for queued behind a kernel.
 Needs: CUDA, torch symmetric memory, cuda-python, P2P access between all ranks' GPUs
 (``route``; ranks of one host without P2P go through host memory instead, ``host.py``).
 Column-band plans and CUDA-graph capture (epochs are host values) use NCCL
-(``overlap.api._resolve_backend``).
+(``transport.choose``, ``overlap/context.py``).
+
+Hazard: never put SM work on the communication stream of this transport (a timestamp kernel
+there hung both GPUs once): the GEMM's own tiles spin in their epilogue until the peers'
+pushes arrive, so they may hold every SM while a kernel queued behind a push waits for one.
 """
 
 from __future__ import annotations
@@ -47,15 +52,17 @@ from __future__ import annotations
 import os
 import socket
 import warnings
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
+from ..contract import FLAGS_BYTES, Epilogue, FlagLayout, band_launched, kernel_flags_start
 from ..plan import Plan
-from ..signal.counters import _MASK
+from ..signal.counters import MASK
 from ..signal.wait import _driver, method
+from .transport import Transport
 
-_FLAGS_BYTES = 4096  # flags at the start of every buffer: R * (1 + 2 b) int32 (begin checks)
 _ALIGN = 2 << 20
 
 
@@ -93,7 +100,7 @@ def _check(err, what: str) -> None:
 def slot_bytes(p: Plan, dtype: torch.dtype) -> int:
     """Bytes of the slots one rank receives into: ``[R, B, N]`` receive slots, and as many
     gather slots for all-reduce."""
-    regions = 2 if p.collective == "all_reduce" else 1
+    regions = 2 if p.spec.replicated else 1
     return regions * p.M * p.N * dtype.itemsize
 
 
@@ -102,15 +109,12 @@ def receive_slots(buf: torch.Tensor, p: Plan, dtype: torch.dtype) -> torch.Tenso
     return buf[: p.M * p.N * dtype.itemsize].view(dtype).view(p.world_size, -1, p.N)
 
 
-# int32 flags at the start of every buffer: READY[src] at src, then ARRIVED[src][band] at
-# R + src * b + band (receive slot), then GATHERED[src][band] at R + R * b + src * b + band.
-
-
-class PeerTransport:
+class PeerTransport(Transport):
     """Copy-engine pushes into symmetric-memory receive buffers; one per context (caller
     stream), since the buffer and the epoch belong to one stream of calls."""
 
     name = "ce"
+    blocked = True
     a2a_in_place = True  # all-to-all may use `out`'s peer blocks as scratch (run's order)
 
     def __init__(self, group: dist.ProcessGroup | None, device: torch.device) -> None:
@@ -125,7 +129,7 @@ class PeerTransport:
     # -- buffer ------------------------------------------------------------------------------
     def _ensure(self, nbytes: int) -> None:
         """A buffer of at least ``nbytes`` of data on every rank (a collective when it grows)."""
-        if self.buf is not None and self.buf.numel() >= _FLAGS_BYTES + nbytes:
+        if self.buf is not None and self.buf.numel() >= FLAGS_BYTES + nbytes:
             return
         from torch.distributed import _symmetric_memory as symm_mem
 
@@ -133,14 +137,14 @@ class PeerTransport:
             # No work of ours uses the old buffer any more, and the peers' pushes into it ended
             # before the kernel or the copies that waited for their flags.
             torch.cuda.synchronize(self.device)
-        size = -(-(_FLAGS_BYTES + nbytes) // _ALIGN) * _ALIGN
+        size = -(-(FLAGS_BYTES + nbytes) // _ALIGN) * _ALIGN
         group = self.group if self.group is not None else dist.group.WORLD
         with warnings.catch_warnings():  # needed by older torch, deprecated by newer
             warnings.simplefilter("ignore")
             symm_mem.enable_symm_mem_for_group(group.group_name)
         buf = symm_mem.empty(size, dtype=torch.uint8, device=self.device)
         handle = symm_mem.rendezvous(buf, group.group_name)
-        buf[:_FLAGS_BYTES].zero_()  # epochs start at 1, so zeroed flags mean "not yet"
+        buf[:FLAGS_BYTES].zero_()  # epochs start at 1, so zeroed flags mean "not yet"
         torch.cuda.synchronize(self.device)
         dist.barrier(group=self.group)  # every rank's flags are zero before anyone writes
         self.buf, self.handle = buf, handle
@@ -165,32 +169,36 @@ class PeerTransport:
         if key not in self._views:
             if len(self._views) >= 256:  # one entry per plan: varying M would grow it
                 self._views.clear()
-            flags = self.buf[:_FLAGS_BYTES].view(torch.int32)[self.size :]
-            self._views[key] = receive_slots(self.buf[_FLAGS_BYTES:], p, dtype), flags
+            start = kernel_flags_start(self.size)
+            flags = self.buf[:FLAGS_BYTES].view(torch.int32)[start:]
+            self._views[key] = receive_slots(self.buf[FLAGS_BYTES:], p, dtype), flags
         return self._views[key]
 
-    def begin(self, p: Plan, dtype: torch.dtype, out2: torch.Tensor):
-        """Before the GEMM launches (on the host): size the buffers, open the next epoch, and
-        return the kernel's ``gemm.Fuse`` for the blocked plan ``p``."""
-        from ..gemm import Fuse  # Triton: only where the GEMM runs
-
+    def begin(self, p: Plan, out: torch.Tensor) -> tuple[torch.Tensor, Epilogue]:
+        """Before the GEMM launches (on the host): size the buffers, open the next epoch;
+        the slot buffer (``out`` itself where its peer blocks may serve as scratch) and the
+        kernel's ``Epilogue`` for the blocked plan ``p``."""
         if self.broken:
             raise RuntimeError(
                 "the copy-engine transport of this stream was aborted (validation mode's "
                 "timeout); its epochs no longer match the peers'"
             )
-        if self.size * (1 + 2 * p.bands_per_block) > _FLAGS_BYTES // 4:
-            raise ValueError(f"too many ranks ({self.size}) for the transport's flags")
-        recv, flags = self._prepare(p, dtype)
+        FlagLayout(self.size, p.bands_per_block).check()
+        recv, flags = self._prepare(p, out.dtype)
         self.epoch += 1
-        return Fuse(out2, recv, flags, self.epoch, self.rank, p.collective != "all_to_all")
+        if p.spec.replicated or (self.a2a_in_place and not p.spec.reduces):
+            # the peers' blocks of `out` are scratch until their own data arrives
+            slots = out.view(-1)
+        else:
+            slots = torch.empty(p.M * p.N, dtype=out.dtype, device=out.device)
+        return slots, Epilogue(out, recv, flags, self.epoch, self.rank)
 
     def _write_at(self, stream: int, addr: int) -> None:
         """Write this call's epoch into the int32 at ``addr`` (stream-ordered, after a fence
         over the stream's earlier work)."""
         drv = _driver()
         ptr = drv.CUdeviceptr(addr)
-        (err,) = drv.cuStreamWriteValue32(drv.CUstream(stream), ptr, self.epoch & _MASK, 0)
+        (err,) = drv.cuStreamWriteValue32(drv.CUstream(stream), ptr, self.epoch & MASK, 0)
         _check(err, "cuStreamWriteValue32")
 
     def _write(self, stream: int, rank: int, index: int) -> None:
@@ -202,7 +210,7 @@ class PeerTransport:
         drv = _driver()
         geq = drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
         addr = drv.CUdeviceptr(self._flag(self.rank, index))
-        (err,) = drv.cuStreamWaitValue32(drv.CUstream(stream), addr, self.epoch & _MASK, geq)
+        (err,) = drv.cuStreamWaitValue32(drv.CUstream(stream), addr, self.epoch & MASK, geq)
         _check(err, "cuStreamWaitValue32")
 
     def _copy(self, cu_stream, dst: int, src: int, n: int) -> None:
@@ -215,74 +223,83 @@ class PeerTransport:
         """Address (mapped here) of band ``k`` of slot ``s`` in ``rank``'s slot region
         ``region`` (0 receive, 1 gather), each ``[R, B, N]``."""
         row = region * p.M + s * (p.M // self.size) + k * p.run_rows
-        return self.ptrs[rank] + _FLAGS_BYTES + row * p.N * es
+        return self.ptrs[rank] + FLAGS_BYTES + row * p.N * es
 
-    def _receive(self, p: Plan, out2: torch.Tensor, k: int, stream: int, into_recv: int = 0):
+    def _receive(self, p: Plan, out: torch.Tensor, k: int, stream: int, into_recv: int = 0):
         """Band ``k`` of this rank's block from every peer, on ``stream``, once its flag is
-        here: into ``out2``'s block s (all-to-all: the receive slot; all-reduce with
+        here: into ``out``'s block s (all-to-all: the receive slot; all-reduce with
         ``into_recv`` 0: the gather slot), or (``into_recv``, a device address of receive
-        slots) into the device receive slot, then the kernel's flag at ``into_recv``'s
-        ``flags`` (``HostTransport``)."""
-        R, r, b, es = self.size, self.rank, p.bands_per_block, out2.element_size()
+        slots) into the device receive slot, then the kernel's flag for it
+        (``HostTransport``)."""
+        R, r, es = self.size, self.rank, out.element_size()
+        flags = FlagLayout(R, p.bands_per_block)
         band, B = p.run_rows * p.N * es, p.M // R
         cu = _driver().CUstream(stream)
-        region = 1 if p.collective == "all_reduce" and not into_recv else 0  # gather slots
-        dst0 = into_recv or out2.data_ptr()
+        gather = p.spec.replicated and not into_recv
+        dst0 = into_recv or out.data_ptr()
         for s in ((r + j) % R for j in range(1, R)):
-            self._wait(stream, R + region * R * b + s * b + k)  # ARRIVED or GATHERED
+            self._wait(stream, flags.gathered(s, k) if gather else flags.arrived(s, k))
             dst = dst0 + (s * B + k * p.run_rows) * p.N * es
-            self._copy(cu, dst, self._slot(r, region, s, k, p, es), band)
+            self._copy(cu, dst, self._slot(r, int(gather), s, k, p, es), band)
             if into_recv:
-                self._write_at(stream, self.kernel_flag(s * b + k))
+                self._write_at(stream, self.kernel_flag(flags.kernel_index(s, k)))
 
-    def _send(self, p: Plan, p_flat: torch.Tensor, out2: torch.Tensor, wait, stream: int, own):
+    def _send(self, p: Plan, slots: torch.Tensor, out: torch.Tensor, wait, stream: int, own):
         """On ``stream``: READY to every peer and wait for theirs; then per band ``a`` in the
         order the kernel launches them (block ``d``, band ``k`` in it), after ``wait(c)``:
         ``d != r``: push it into rank d's receive slot r and set ARRIVED[r][k] there;
-        ``d == r``, all-reduce: push the reduced band from ``out2`` into every peer's gather
+        ``d == r``, all-reduce: push the reduced band from ``out`` into every peer's gather
         slot r and set GATHERED[r][k] there; then ``own(k)`` if given."""
-        R, r, b, es = self.size, self.rank, p.bands_per_block, p_flat.element_size()
+        R, r, b, es = self.size, self.rank, p.bands_per_block, slots.element_size()
+        flags = FlagLayout(R, b)
         band = p.run_rows * p.N * es  # bytes
         cu = _driver().CUstream(stream)
         peers = [(r + j) % R for j in range(1, R)]
         for d in peers:
-            self._write(stream, d, r)  # READY: this rank's buffer may be written
+            self._write(stream, d, flags.ready(r))  # this rank's buffer may be written
         for s in peers:
-            self._wait(stream, s)
+            self._wait(stream, flags.ready(s))
         for c in range(p.n_row_bands):
-            a = (c + (r + 1) % R * b) % p.n_row_bands  # the band launched c-th (gemm.Fuse)
+            a = band_launched(p, r, c)
             d, k = divmod(a, b)
             if d != r:
                 wait(c)
-                self._copy(cu, self._slot(d, 0, r, k, p, es), p_flat.data_ptr() + a * band, band)
-                self._write(stream, d, R + r * b + k)
+                self._copy(cu, self._slot(d, 0, r, k, p, es), slots.data_ptr() + a * band, band)
+                self._write(stream, d, flags.arrived(r, k))
                 continue
-            if p.collective == "all_reduce":
+            if p.spec.replicated:
                 wait(c)
                 for q in peers:
-                    self._copy(cu, self._slot(q, 1, r, k, p, es), out2.data_ptr() + a * band, band)
-                    self._write(stream, q, R + R * b + r * b + k)
+                    self._copy(cu, self._slot(q, 1, r, k, p, es), out.data_ptr() + a * band, band)
+                    self._write(stream, q, flags.gathered(r, k))
             if own is not None:
                 own(k)
 
-    def run(self, p: Plan, p_flat: torch.Tensor, out2: torch.Tensor, wait, stream) -> None:
-        """All of it on ``stream`` (the communication stream, a ``torch.cuda.Stream``; it
-        need not be current): ``_send``, and after each own band (all-reduce, all-to-all) the
-        peers' bands of it copied into ``out2`` as their flags arrive (``_receive``).
-        Reduce-scatter receives nothing here: the kernel reads the receive slots. Every copy
-        is a copy engine's; the caller waits for ``stream``."""
+    def run(
+        self,
+        p: Plan,
+        slots: torch.Tensor,
+        out: torch.Tensor,
+        wait: Callable[[int], None],
+        stream: torch.cuda.Stream,
+    ) -> None:
+        """All of it on ``stream`` (the communication stream; it need not be current):
+        ``_send``, and after each own band (all-reduce, all-to-all) the peers' bands of it
+        copied into ``out`` as their flags arrive (``_receive``). Reduce-scatter receives
+        nothing here: the kernel reads the receive slots. Every copy is a copy engine's; the
+        caller waits for ``stream``."""
         h, own = stream.cuda_stream, None
-        if p.collective != "reduce_scatter":
-            own = lambda k: self._receive(p, out2, k, h)  # noqa: E731
-        self._send(p, p_flat, out2, wait, h, own)
+        if not p.spec.scatters:  # every rank's rows come back into `out`
+            own = lambda k: self._receive(p, out, k, h)  # noqa: E731
+        self._send(p, slots, out, wait, h, own)
 
     def kernel_flag(self, index: int) -> int:
-        """Address of the kernel's ARRIVED flag ``index`` (``s * b + k``) on this rank."""
-        return self._flag(self.rank, self.size + index)
+        """Address of the kernel's flag ``index`` (``FlagLayout.kernel_index``) here."""
+        return self._flag(self.rank, kernel_flags_start(self.size) + index)
 
     def _local_flags(self) -> list[int]:
         """Addresses of every flag this rank waits on (``abort``)."""
-        return [self._flag(self.rank, i) for i in range(_FLAGS_BYTES // 4)] if self.ptrs else []
+        return [self._flag(self.rank, i) for i in range(FLAGS_BYTES // 4)] if self.ptrs else []
 
     def abort(self) -> None:
         """Release this rank's waits on its peers (validation mode's timeout): every local
@@ -293,3 +310,9 @@ class PeerTransport:
         for addr in self._local_flags():
             self._write_at(side.cuda_stream, addr)
         side.synchronize()
+
+    def close(self) -> None:
+        """Free the symmetric buffer (every rank of the group closes together)."""
+        self.buf = self.handle = None
+        self.ptrs = []
+        self._views.clear()

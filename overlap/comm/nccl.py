@@ -1,0 +1,194 @@
+"""NCCL per chunk: one collective per chunk on the communication stream. Works on any GPUs
+NCCL drives, across hosts, and inside CUDA graphs.
+
+Buffers (``plan`` names the layout, see ``overlap.plan``):
+
+=================  ===========================  ==========================================
+collective         GEMM writes (``slots``)      each chunk's result goes to
+=================  ===========================  ==========================================
+all_reduce         ``out`` itself (row bands)   in place
+                   or a slot buffer (columns)   in place, then copied into ``out``
+reduce_scatter     slot buffer ``[M * N]``      ``out[M / R, N]`` rows of the chunk
+                                                (through ``recv`` for column bands)
+all_to_all         slot buffer ``[M * N]``      ``out[M, N]`` viewed ``[R, M / R, N]``
+                                                (through ``recv`` for column bands)
+=================  ===========================  ==========================================
+
+Communicators:
+
+- ``TorchComm``: the caller's ``torch.distributed`` group as it is. Collectives are issued with
+  ``async_op=False`` while the communication stream is current, so ProcessGroupNCCL runs them on
+  that stream (torch >= 2.6) and gloo runs them on the host.
+- ``CupyComm``: a direct NCCL communicator (CuPy's binding) bootstrapped once from the group
+  (rank 0's unique id is broadcast through it). It issues ``ncclAllReduce`` etc. on the current
+  stream with no torch bookkeeping per call.
+
+Sum is the only reduction: ``op="avg"`` is folded into the GEMM as a ``1 / R`` scale.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from ..plan import Plan
+from ..signal import current_raw_stream
+from .transport import Transport
+
+
+class TorchComm:
+    """Collectives through a ``torch.distributed`` process group."""
+
+    name = "torch"
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.group = group
+
+    def all_reduce(self, buf: torch.Tensor) -> None:
+        """In-place sum of ``buf`` (contiguous) over the group."""
+        dist.all_reduce(buf, group=self.group)
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        """``out`` (``n``) = this rank's ``n`` elements of the sum of ``inp`` (``R * n``)."""
+        dist.reduce_scatter_tensor(out, inp, group=self.group)
+
+    def all_to_all(self, outs: list[torch.Tensor], ins: list[torch.Tensor]) -> None:
+        """Send ``ins[j]`` to rank ``j``; receive rank ``j``'s piece into ``outs[j]``."""
+        dist.all_to_all(outs, ins, group=self.group)
+
+    def abort(self) -> None:
+        """Abort the group's NCCL communicators (releases kernels stuck on a dead peer)."""
+        dist.distributed_c10d._abort_process_group(self.group)
+
+
+_NCCL_DTYPES = {torch.float16: 6, torch.float32: 7, torch.bfloat16: 9}  # ncclDataType_t
+_NCCL_SUM = 0
+
+
+class CupyComm:
+    """Collectives through a direct NCCL communicator (``cupy.cuda.nccl``)."""
+
+    name = "cupy"
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        from cupy.cuda import nccl  # optional dependency: imported only when asked for
+
+        self._nccl = nccl
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        uid = [nccl.get_unique_id() if rank == 0 else None]
+        src = dist.get_global_rank(group, 0) if group is not None else 0
+        dist.broadcast_object_list(uid, src=src, group=group)
+        self.comm = nccl.NcclCommunicator(size, uid[0], rank)
+        self.size = size
+
+    def all_reduce(self, buf: torch.Tensor) -> None:
+        p, s = buf.data_ptr(), current_raw_stream(buf.device)
+        self.comm.allReduce(p, p, buf.numel(), _NCCL_DTYPES[buf.dtype], _NCCL_SUM, s)
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        self.comm.reduceScatter(
+            inp.data_ptr(),
+            out.data_ptr(),
+            out.numel(),
+            _NCCL_DTYPES[out.dtype],
+            _NCCL_SUM,
+            current_raw_stream(out.device),
+        )
+
+    def all_to_all(self, outs: list[torch.Tensor], ins: list[torch.Tensor]) -> None:
+        s, nccl = current_raw_stream(ins[0].device), self._nccl
+        nccl.groupStart()
+        for peer in range(self.size):
+            dt = _NCCL_DTYPES[ins[peer].dtype]
+            self.comm.send(ins[peer].data_ptr(), ins[peer].numel(), dt, peer, s)
+            self.comm.recv(outs[peer].data_ptr(), outs[peer].numel(), dt, peer, s)
+        nccl.groupEnd()
+
+    def abort(self) -> None:
+        """Abort this NCCL communicator (releases kernels stuck on a dead peer)."""
+        self.comm.abort()
+
+
+def make_comm(backend: str, group: dist.ProcessGroup | None) -> TorchComm | CupyComm:
+    """A communicator for ``group`` through ``backend`` ("torch" or "cupy")."""
+    return TorchComm(group) if backend == "torch" else CupyComm(group)
+
+
+class NcclTransport(Transport):
+    """One collective per chunk through ``comm`` (a ``TorchComm`` or ``CupyComm``, shared by
+    every context of its group and device: a CUDA graph captures on a stream of its own, and
+    a communicator cannot be made during capture)."""
+
+    def __init__(self, comm: TorchComm | CupyComm) -> None:
+        self.comm, self.name = comm, comm.name
+
+    def begin(self, plan: Plan, out: torch.Tensor) -> tuple[torch.Tensor, None]:
+        if plan.spec.replicated and plan.n_col_bands == 1:
+            return out.view(-1), None  # row bands of the standard layout are contiguous
+        return torch.empty(plan.M * plan.N, dtype=out.dtype, device=out.device), None
+
+    def run(
+        self,
+        plan: Plan,
+        slots: torch.Tensor,
+        out: torch.Tensor,
+        wait: Callable[[int], None],
+        stream: torch.cuda.Stream | None,
+    ) -> None:
+        recv = None
+        if not plan.spec.replicated and plan.n_col_bands > 1:
+            recv = torch.empty(out.numel(), dtype=out.dtype, device=out.device)
+        if stream is None:  # CPU: the kernel already ran; gloo runs on the host
+            _chunks(plan, self.comm, slots, out, recv, wait)
+            return
+        with torch.cuda.stream(stream):  # NCCL issues on the current stream
+            _chunks(plan, self.comm, slots, out, recv, wait)
+
+    def abort(self) -> None:
+        self.comm.abort()
+
+
+def _chunks(
+    plan: Plan,
+    comm: TorchComm | CupyComm,
+    slots: torch.Tensor,
+    out: torch.Tensor,
+    recv: torch.Tensor | None,
+    wait: Callable[[int], None],
+) -> None:
+    """The collective of every chunk of ``plan`` in chunk order on the current stream, each
+    after ``wait(c)``. ``recv``: receive slots for column-band reduce-scatter
+    (``[M / R * N]``) and all-to-all (``[M * N]``); None otherwise."""
+    R, N = plan.world_size, plan.N
+    spec = plan.spec
+    in_place = plan.n_col_bands == 1  # results land directly in `out`
+    for c in range(plan.n_chunks):
+        off, rows, cols, row0, col0 = plan.chunk_slot(c)
+        slot = slots[off : off + rows * cols]
+        wait(c)
+        if spec.replicated:
+            comm.all_reduce(slot)
+            if not in_place:
+                out[row0 : row0 + rows, col0 : col0 + cols].copy_(slot.view(rows, cols))
+            continue
+        h_a = rows // R  # rows of each rank's block in this chunk
+        r0 = row0 // R  # first of them, within the rank's block
+        if spec.reduces:
+            if in_place:
+                comm.reduce_scatter(out[r0 : r0 + h_a].view(-1), slot)
+            else:
+                part = recv[off // R : off // R + h_a * cols]
+                comm.reduce_scatter(part, slot)
+                out[r0 : r0 + h_a, col0 : col0 + cols].copy_(part.view(h_a, cols))
+        else:
+            out3 = out.view(R, -1, N)
+            if in_place:
+                comm.all_to_all(
+                    [out3[s, r0 : r0 + h_a].view(-1) for s in range(R)], list(slot.chunk(R))
+                )
+            else:
+                part = recv[off : off + rows * cols]
+                comm.all_to_all(list(part.chunk(R)), list(slot.chunk(R)))
+                out3[:, r0 : r0 + h_a, col0 : col0 + cols].copy_(part.view(R, h_a, cols))

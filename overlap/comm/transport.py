@@ -1,0 +1,104 @@
+"""The one protocol every transport implements, and the choice of a transport for a call.
+
+A transport moves the chunks of a plan between the ranks of a group. An overlapped call
+(``overlap/ops.py``) asks it, in this order:
+
+1. ``begin(plan, out)`` on the host before the GEMM is launched: the flat buffer the GEMM
+   writes its chunk slots into, and the ``contract.Epilogue`` the transport asks of the
+   kernel (``None``: the plain epilogue, every tile to its slot);
+2. ``run(plan, slots, out, wait, stream)``: issue every chunk on ``stream`` (the
+   communication stream; ``None`` on CPU), calling ``wait(c)`` first for each chunk ``c``
+   it reads from ``slots`` (``wait`` orders the stream after chunk ``c``'s tiles);
+3. ``abort()`` when validation mode's watch times out (a peer died mid-call);
+4. ``close()`` when the context is released (``overlap.release``).
+
+``blocked`` says which plan layout it runs (``make_plan(blocked=...)``). The transports:
+``"torch"`` and ``"cupy"`` (NCCL, one collective per chunk: ``nccl.py``), ``"ce"`` (copy
+engines GPU to GPU: ``peer.py``; through pinned host memory: ``host.py``). This package
+imports no Triton and no kernel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ..contract import Epilogue
+from ..plan import Plan
+
+BACKENDS = ("auto", "torch", "cupy", "ce")
+
+
+class Transport:
+    """Base of every transport (the protocol above)."""
+
+    name: str = ""
+    blocked: bool = False
+
+    def begin(self, plan: Plan, out: torch.Tensor) -> tuple[torch.Tensor, Epilogue | None]:
+        """Host side, before the GEMM: ``(slots [M * N], epilogue)`` for ``plan``.
+
+        ``out``: the 2-D result (``Collective.result_shape``), contiguous."""
+        raise NotImplementedError
+
+    def run(
+        self,
+        plan: Plan,
+        slots: torch.Tensor,
+        out: torch.Tensor,
+        wait: Callable[[int], None],
+        stream: torch.cuda.Stream | None,
+    ) -> None:
+        """Issue every chunk of ``plan`` on ``stream``; ``out`` holds the result once
+        ``stream``'s work is done."""
+        raise NotImplementedError
+
+    def abort(self) -> None:
+        """Release this rank's waits on its peers; the transport is unusable afterwards."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Free what the transport holds (buffers, mappings). No call may be in flight."""
+
+    @property
+    def nbytes(self) -> int:
+        """Memory the transport keeps between calls, in bytes."""
+        return 0
+
+
+def choose(
+    backend: str,
+    road: str | None,
+    *,
+    world_size: int,
+    rows_split: bool,
+    rows_divisible: bool,
+) -> str:
+    """The transport an overlapped call on CUDA outside graph capture takes.
+
+    ``road``: ``route``'s answer for the group ("peer", "host" or None). The copy engines
+    ("ce") need a road, a row-band plan (``rows_split``: decode-sized products are cut into
+    column bands, which NCCL moves) and ``M`` divisible by the world size. "auto" takes the
+    road through host memory only for 2 ranks: with 4 H200s without P2P it was slower than
+    sequential (0.79-0.94x) where NCCL per chunk reached 0.94-1.22x. Elsewhere "auto" and
+    "ce" take NCCL through torch; "torch" and "cupy" are taken as asked.
+
+    Raises:
+        ValueError: ``backend="ce"`` and no road (ranks on several hosts, or no stream
+            memory operations).
+    """
+    if backend not in ("auto", "ce"):
+        return backend
+    if road is None:
+        if backend == "ce":
+            raise ValueError(
+                "backend='ce' needs all ranks on one host and stream memory operations "
+                "(cuda-python); use 'auto' or 'torch'"
+            )
+        return "torch"
+    if not rows_split or not rows_divisible:
+        return "torch"
+    if backend == "auto" and road == "host" and world_size > 2:
+        return "torch"
+    return "ce"

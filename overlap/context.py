@@ -1,0 +1,157 @@
+"""Per (group, device, caller stream) state of the overlapped calls, and its lifetime.
+
+``context(group, device)`` returns the context of the current stream, made on first use:
+
+- the communication stream (high priority), made once;
+- the chunk counters (``signal.ChunkCounters``), whose epochs belong to one stream of calls;
+- the transports the calls of this stream used, by name (``transport``): a copy-engine
+  transport's buffer and epoch belong to one stream of calls, like the counters; NCCL
+  transports share one communicator per (group, device, backend), since a CUDA graph
+  captures on a stream of its own and a communicator cannot be made during capture.
+
+Per (group, device), also kept here: the copy engines' road (``comm.route``, a collective
+asked on the first call of the group on a CUDA device outside graph capture, whatever its
+backend and path, so that every rank asks at the same call) and the communicators. Per
+group: the chunk counts ``overlap.tune`` chose (``tuned``).
+
+Lifetime: until ``release(group)``, which every rank of the group calls at the same point of
+the program with no call of the group in flight; it waits for the device, frees the
+transports' buffers (symmetric memory, pinned host memory) and forgets the group's
+contexts, communicators and road. A later call starts afresh (a collective on first use, as
+the very first call). At most ``MAX_CONTEXTS`` contexts live at once (torch's stream pools
+keep the caller streams few); more raise ``RuntimeError``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .comm import HostTransport, NcclTransport, PeerTransport, Transport, make_comm, route
+from .guard import group_name
+from .signal import ChunkCounters, current_raw_stream
+
+MAX_CONTEXTS = 256
+
+
+class Context:
+    """The state of one (group, device, caller stream); made by ``context``."""
+
+    def __init__(self, group: dist.ProcessGroup | None, device: torch.device) -> None:
+        self.group, self.device = group, device
+        self.comm_stream: torch.cuda.Stream | None = None  # None on CPU
+        if device.type == "cuda":
+            _, highest = torch.cuda.Stream.priority_range()
+            self.comm_stream = torch.cuda.Stream(device, priority=highest)
+        self._counters: ChunkCounters | None = None
+        self._transports: dict[str, Transport] = {}
+
+    @property
+    def counters(self) -> ChunkCounters:
+        """This stream's chunk counters (eager calls; made on first use)."""
+        if self._counters is None:
+            self._counters = ChunkCounters(self.device)
+        return self._counters
+
+    def road(self) -> str | None:
+        """``comm.route``'s answer for this group and device: a collective the first time."""
+        key = (self.group, str(self.device))
+        if key not in _roads:
+            _roads[key] = route(self.group, self.device)
+        return _roads[key]
+
+    @staticmethod
+    def blocked(name: str) -> bool:
+        """Whether transport ``name`` runs blocked plans (without making it)."""
+        return (PeerTransport if name == "ce" else NcclTransport).blocked
+
+    def transport(self, name: str) -> Transport:
+        """The transport ``name`` ("torch", "cupy" or "ce") of this context."""
+        t = self._transports.get(name)
+        if t is None:
+            if name == "ce":
+                cls = PeerTransport if self.road() == "peer" else HostTransport
+                t = cls(self.group, self.device)
+            else:
+                key = (self.group, str(self.device), name)
+                if key not in _comms:
+                    _comms[key] = make_comm(name, self.group)
+                t = NcclTransport(_comms[key])
+            self._transports[name] = t
+        return t
+
+    @property
+    def nbytes(self) -> int:
+        """Memory the transports of this context keep between calls."""
+        return sum(t.nbytes for t in self._transports.values())
+
+    def close(self) -> None:
+        """Free the transports' buffers and the counters (no call may be in flight)."""
+        for t in self._transports.values():
+            t.close()
+        self._transports.clear()
+        self._counters = None
+
+
+_contexts: dict[tuple, Context] = {}  # (group, device, caller stream handle) -> Context
+_comms: dict[tuple, object] = {}  # (group, device, backend) -> communicator
+_roads: dict[tuple, str | None] = {}  # (group, device) -> comm.route's answer
+_tuned: dict[tuple, int | str] = {}  # (group name, M, N, K, dtype, collective) -> overlap.tune's
+
+
+def tuned_key(group, M: int, N: int, K: int, dtype: torch.dtype, collective: str) -> tuple:
+    """The key of ``tuned``: calls of any context of ``group`` with these shapes share it."""
+    return (group_name(group), M, N, K, str(dtype), collective)
+
+
+def tuned(key: tuple) -> int | str | None:
+    """What ``overlap.tune`` chose for calls of ``key`` (``tuned_key``), or None."""
+    return _tuned.get(key) if _tuned else None
+
+
+def set_tuned(key: tuple, choice: int | str | None) -> None:
+    """Record ``overlap.tune``'s ``choice`` (a chunk count or "plain"; None forgets it)."""
+    if choice is None:
+        _tuned.pop(key, None)
+    else:
+        _tuned[key] = choice
+
+
+def context(group: dist.ProcessGroup | None, device: torch.device) -> Context:
+    """The context of ``group`` on ``device`` for the current stream (made on first use).
+
+    Raises:
+        RuntimeError: ``MAX_CONTEXTS`` contexts exist already.
+    """
+    stream = current_raw_stream(device) if device.type == "cuda" else 0
+    key = (group, str(device), stream)
+    ctx = _contexts.get(key)
+    if ctx is None:
+        if len(_contexts) >= MAX_CONTEXTS:
+            raise RuntimeError(
+                f"{MAX_CONTEXTS} overlap contexts (one per group, device and caller stream) "
+                "exist already; call overlap.release(group) for groups no longer used"
+            )
+        ctx = _contexts[key] = Context(group, device)
+    return ctx
+
+
+def release(group: dist.ProcessGroup | None = None) -> None:
+    """Free everything the library keeps for ``group`` (``None``: the default group):
+    the buffers of its transports, its counters, communicators, contexts and tuned choices.
+
+    Every rank of the group calls it at the same point of the program, with no call of the
+    group in flight; the next call of the group starts afresh. Communicators are dropped,
+    not aborted or destroyed: torch's own process group stays usable.
+    """
+    mine = [k for k in _contexts if k[0] is group]
+    for device in {k[1] for k in mine if k[1].startswith("cuda")}:
+        torch.cuda.synchronize(device)
+    for k in mine:
+        _contexts.pop(k).close()
+    for store in (_comms, _roads):
+        for k in [k for k in store if k[0] is group]:
+            del store[k]
+    name = group_name(group) if dist.is_initialized() else None
+    for k in [k for k in _tuned if k[0] == name]:
+        del _tuned[k]
