@@ -470,6 +470,7 @@ def _host_road_one_gpu(rank, R, seed):
     """2 ranks on GPU 0 over gloo: the copy-engine transport's road through host memory, with
     the real fused kernel (the GPU is time-sliced between the two processes). Row-band plans
     only: others fall back to the group's collectives, and gloo has no all-to-all."""
+    import overlap
     from overlap.comm import HostTransport
     from overlap.context import _contexts
 
@@ -489,7 +490,16 @@ def _host_road_one_gpu(rank, R, seed):
     roads = [type(c._transports.get("ce")).__name__ for c in _contexts.values()]
     if not roads or any(r != HostTransport.__name__ for r in roads):
         failures.append(f"transports of the calls' contexts: {roads}, expected the host road")
-    return failures
+    # overlap.release frees the pinned shared memory and the device slots; calls go on after
+    transports = [c._transports["ce"] for c in _contexts.values() if "ce" in c._transports]
+    if not all(t.nbytes > 0 for t in transports):
+        failures.append("a host-road transport holds no memory after its calls")
+    overlap.release()
+    if _contexts or any(t.mapping is not None or t.nbytes for t in transports):
+        failures.append("overlap.release kept a context or a transport's memory")
+    msg = check_case(rank, R, "cuda:0", "all_reduce", torch.bfloat16, (1024, 256, 768),
+                     seed + 200, backend="ce", chunks=2)  # fmt: skip
+    return failures + ([msg] if msg else [])
 
 
 def test_host_road_one_gpu(monkeypatch):
