@@ -127,7 +127,8 @@ def bench_one(
     g = torch.Generator(device=dev).manual_seed(1234 + dist.get_rank())
     x = torch.randn(M, K, device=dev, dtype=torch.bfloat16, generator=g)
     w = torch.randn(N, K, device=dev, dtype=torch.bfloat16, generator=g).t()  # weight.t()
-    out_shape = (M // R, N) if coll == "reduce_scatter" else (M, N)
+    spec = collective(coll)
+    out_shape = spec.result_shape((M, K), N, R)
     out = torch.empty(out_shape, device=dev, dtype=torch.bfloat16)
     y = torch.empty(M, N, device=dev, dtype=torch.bfloat16)  # for the parts timed alone
     tuned = None
@@ -135,7 +136,7 @@ def bench_one(
         # the bench times GPU work with the host queued ahead, so the tuner does too
         tuned = overlap.tune(x, w, coll, group=ovl_group, use_cache=False, count_host=False)
     p = overlap.plan(x, w, coll, chunks=chunks, group=ovl_group, backend=backend)
-    plain = collective(coll).plain
+    plain = spec.plain
 
     def seq():  # what users write today
         prod = x @ w
@@ -167,7 +168,7 @@ def bench_one(
     fns["comm"] = lambda: plain(y, out, group)
     fns["sequential"] = seq
     fns["overlap"] = ovl
-    if coll == "reduce_scatter" and not graph:
+    if spec.scatters and not graph:  # torch's fused matmul + reduce-scatter
         fused = _async_tp(x, w, group)
         row["async_tp"] = None
         if fused is not None:
@@ -184,7 +185,7 @@ def bench_one(
     # The timed call's result against the plain torch path (a bench that computes garbage fast
     # would show here).
     ref = x @ w
-    want = ref if coll == "all_reduce" else torch.empty_like(out)
+    want = ref if spec.replicated else torch.empty_like(out)
     plain(ref, want, group)
     ovl()
     row["error_vs_plain"] = ((out.float() - want.float()).norm() / want.float().norm()).item()

@@ -7,8 +7,8 @@
 #   soak     100 s of mixed calls, every result checked, memory tracked (2 GPUs)
 #   timeline one traced all-reduce and reduce-scatter call (2 GPUs)
 #   four     the example and the benchmark at R = 4 (4 GPUs)
-# The whole 2-GPU suite took ~850 s: split it with PYTEST_K (a pytest -k expression) over
-# two calls of at most 600 s each.
+# The 2-GPU suite does not fit one 600 s call: split it with PYTEST_K (a pytest -k expression)
+# over two calls.
 set -u
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1

@@ -5,7 +5,7 @@ Three ways, one chosen per process (``method()``):
 - ``"stream_wait"``: ``cuStreamWaitValue32(GEQ)`` from cuda-python on the stream; the front end
   of the GPU waits, no SM is used (DESIGN.md: measured working on the H200s).
 - ``"spin"``: a one-CTA Triton kernel (``spin.py``) where stream memory operations are missing
-  (no cuda-python, or the driver refuses them). Forced with ``OVERLAP_WAIT=spin``.
+  (no cuda-python, or the driver refuses them).
 - CPU tensors (Triton interpreter, gloo): the kernel ran synchronously, so the counter is read
   on the host; a counter short of its target means tiles were lost, and raises.
 """
@@ -13,7 +13,6 @@ Three ways, one chosen per process (``method()``):
 from __future__ import annotations
 
 import functools
-import os
 import warnings
 
 import torch
@@ -36,15 +35,11 @@ def method() -> str:
     """``"stream_wait"`` or ``"spin"``: how CUDA streams wait in this process."""
     global _method
     if _method is None:
-        forced = os.environ.get("OVERLAP_WAIT", "")
-        if forced in ("spin", "stream_wait"):
-            _method = forced
-        else:
-            try:
-                _driver()
-                _method = "stream_wait"
-            except ImportError:
-                _method = "spin"
+        try:
+            _driver()
+            _method = "stream_wait"
+        except ImportError:
+            _method = "spin"
     return _method
 
 
