@@ -135,14 +135,15 @@ def _plan_for(x, w, name, group, chunks, backend, capturing) -> tuple[Plan, Cont
             why = "overlap.tune measured the plain path fastest"
             return Plan("fallback", why, name, M, N, K, R), ctx
         chunks = choice
-    road = ctx.road() if x.is_cuda and not capturing else None
-    if backend in ("torch", "cupy"):
-        transport = backend
-    elif not x.is_cuda or capturing:
-        transport = "torch"
-    else:
-        rows = splits_rows(M, name, R, tiles_for(M, bits, interpreter=False))
-        transport = choose(backend, road, world_size=R, rows_split=rows, rows_divisible=M % R == 0)
+    eligible = x.is_cuda and not capturing
+    transport = choose(
+        backend,
+        ctx.road() if eligible else None,  # asked on every group's first CUDA call
+        eligible=eligible,
+        world_size=R,
+        rows_split=splits_rows(M, name, R, tiles_for(M, bits, interpreter=not x.is_cuda)),
+        rows_divisible=M % R == 0,
+    )
     p = make_plan(
         M, N, K, world_size=R, collective=name, dtype_bits=bits, interpreter=not x.is_cuda,
         num_sms=_num_sms(x.device), chunks=chunks, blocked=Context.blocked(transport),

@@ -116,23 +116,24 @@ def _two_rank_world():
 
 
 def test_transport_choice_by_road():
-    """On CUDA, "auto" takes the copy engines over P2P for any world size and through host
-    memory for 2 ranks only (measured slower than sequential at 4); "ce" takes any road and
-    raises without one; column-band plans (decode-sized M) and M not divisible by R go to
-    NCCL; "torch" and "cupy" are taken as asked."""
+    """On CUDA outside capture, "auto" takes the copy engines over P2P for any world size and
+    through host memory for 2 ranks only (measured slower than sequential at 4); "ce" takes
+    any road and raises without one; column-band plans (decode-sized M), M not divisible by R,
+    CPU calls and graph capture go to NCCL; "torch" and "cupy" are taken as asked."""
     from overlap.comm import choose
 
     for R in (2, 4):
-        kw = dict(world_size=R, rows_split=True, rows_divisible=True)
+        kw = dict(eligible=True, world_size=R, rows_split=True, rows_divisible=True)
         assert choose("auto", "peer", **kw) == "ce"
         assert choose("ce", "host", **kw) == "ce"
         assert choose("auto", None, **kw) == "torch"
+        assert choose("ce", None, **{**kw, "eligible": False}) == "torch"  # CPU or capture
         assert choose("cupy", "peer", **kw) == "cupy"
         with pytest.raises(ValueError, match="one host"):
             choose("ce", None, **kw)
-        for bad in (dict(rows_split=False), dict(rows_divisible=False)):
+        for bad in (dict(rows_split=False), dict(rows_divisible=False), dict(eligible=False)):
             assert choose("auto", "peer", **{**kw, **bad}) == "torch"
             assert choose("ce", "peer", **{**kw, **bad}) == "torch"
-    two = dict(rows_split=True, rows_divisible=True)
+    two = dict(eligible=True, rows_split=True, rows_divisible=True)
     assert choose("auto", "host", world_size=2, **two) == "ce"
     assert choose("auto", "host", world_size=4, **two) == "torch"

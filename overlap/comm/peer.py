@@ -49,6 +49,7 @@ pushes arrive, so they may hold every SM while a kernel queued behind a push wai
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import warnings
@@ -64,6 +65,7 @@ from ..signal.wait import _driver, method
 from .transport import Transport
 
 _ALIGN = 2 << 20
+_layout = functools.lru_cache(maxsize=64)(FlagLayout)  # made once per (R, b): host time
 
 
 def route(group: dist.ProcessGroup | None, device: torch.device) -> str | None:
@@ -183,7 +185,7 @@ class PeerTransport(Transport):
                 "the copy-engine transport of this stream was aborted (validation mode's "
                 "timeout); its epochs no longer match the peers'"
             )
-        FlagLayout(self.size, p.bands_per_block).check()
+        _layout(self.size, p.bands_per_block).check()
         recv, flags = self._prepare(p, out.dtype)
         self.epoch += 1
         if p.spec.replicated or (self.a2a_in_place and not p.spec.reduces):
@@ -232,7 +234,7 @@ class PeerTransport(Transport):
         slots) into the device receive slot, then the kernel's flag for it
         (``HostTransport``)."""
         R, r, es = self.size, self.rank, out.element_size()
-        flags = FlagLayout(R, p.bands_per_block)
+        flags = _layout(R, p.bands_per_block)
         band, B = p.run_rows * p.N * es, p.M // R
         cu = _driver().CUstream(stream)
         gather = p.spec.replicated and not into_recv
@@ -251,7 +253,7 @@ class PeerTransport(Transport):
         ``d == r``, all-reduce: push the reduced band from ``out`` into every peer's gather
         slot r and set GATHERED[r][k] there; then ``own(k)`` if given."""
         R, r, b, es = self.size, self.rank, p.bands_per_block, slots.element_size()
-        flags = FlagLayout(R, b)
+        flags = _layout(R, b)
         band = p.run_rows * p.N * es  # bytes
         cu = _driver().CUstream(stream)
         peers = [(r + j) % R for j in range(1, R)]

@@ -71,25 +71,30 @@ def choose(
     backend: str,
     road: str | None,
     *,
+    eligible: bool,
     world_size: int,
     rows_split: bool,
     rows_divisible: bool,
 ) -> str:
-    """The transport an overlapped call on CUDA outside graph capture takes.
+    """The transport a call with ``backend`` takes.
 
-    ``road``: ``route``'s answer for the group ("peer", "host" or None). The copy engines
-    ("ce") need a road, a row-band plan (``rows_split``: decode-sized products are cut into
-    column bands, which NCCL moves) and ``M`` divisible by the world size. "auto" takes the
-    road through host memory only for 2 ranks: with 4 H200s without P2P it was slower than
-    sequential (0.79-0.94x) where NCCL per chunk reached 0.94-1.22x. Elsewhere "auto" and
-    "ce" take NCCL through torch; "torch" and "cupy" are taken as asked.
+    "torch" and "cupy" are taken as asked. "auto" and "ce" take the copy engines ("ce")
+    where they can run: a CUDA call outside graph capture (``eligible``; a graph replays the
+    epochs it captured), a road (``route``'s answer for the group: "peer", "host" or None),
+    a row-band plan (``rows_split``: decode-sized products are cut into column bands, which
+    NCCL moves) and ``M`` divisible by the world size. "auto" takes the road through host
+    memory only for 2 ranks: with 4 H200s without P2P it was slower than sequential
+    (0.79-0.94x) where NCCL per chunk reached 0.94-1.22x. Elsewhere both take NCCL through
+    torch.
 
     Raises:
-        ValueError: ``backend="ce"`` and no road (ranks on several hosts, or no stream
-            memory operations).
+        ValueError: ``backend="ce"`` on an eligible call and no road (ranks on several hosts,
+            or no stream memory operations).
     """
     if backend not in ("auto", "ce"):
         return backend
+    if not eligible:
+        return "torch"
     if road is None:
         if backend == "ce":
             raise ValueError(
