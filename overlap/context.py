@@ -137,8 +137,9 @@ def context(group: dist.ProcessGroup | None, device: torch.device) -> Context:
 
 
 def release(group: dist.ProcessGroup | None = None) -> None:
-    """Free everything the library keeps for ``group`` (``None``: the default group):
-    the buffers of its transports, its counters, communicators, contexts and tuned choices.
+    """Free everything the library keeps for ``group``, the object the calls passed
+    (``None`` for calls that passed none): the buffers of its transports, its counters,
+    communicators, contexts and tuned choices.
 
     Every rank of the group calls it at the same point of the program, with no call of the
     group in flight; the next call of the group starts afresh. Communicators are dropped,

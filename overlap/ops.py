@@ -129,16 +129,17 @@ def _plan_for(x, w, name, group, chunks, backend, capturing) -> tuple[Plan, Cont
             M, N, K, world_size=1, collective=name, dtype_bits=bits, chunks=chunks
         ), None
     ctx = context(group, x.device)
+    eligible = x.is_cuda and not capturing  # for the copy engines
+    road = ctx.road() if eligible else None  # a collective on the group's first CUDA call
     if chunks is None:
         choice = tuned(tuned_key(group, M, N, K, x.dtype, name))  # set by overlap.tune only
         if choice == "plain":
             why = "overlap.tune measured the plain path fastest"
             return Plan("fallback", why, name, M, N, K, R), ctx
         chunks = choice
-    eligible = x.is_cuda and not capturing
     transport = choose(
         backend,
-        ctx.road() if eligible else None,  # asked on every group's first CUDA call
+        road,
         eligible=eligible,
         world_size=R,
         rows_split=splits_rows(M, name, R, tiles_for(M, bits, interpreter=not x.is_cuda)),

@@ -1,5 +1,5 @@
-"""No devices: the layout the architecture claims (``overlap/__init__.py``, DESIGN.md), checked
-on the source and in fresh interpreters.
+"""No devices: the layout the architecture claims (``overlap/__init__.py``, the README's
+Layout), checked on the source and in fresh interpreters.
 
 - ``import overlap`` and a world-size-1 call work with Triton, cuda-python and CuPy missing;
 - the transports (``overlap/comm``) and the pure layers below them import no Triton and no

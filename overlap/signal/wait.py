@@ -3,7 +3,7 @@
 Three ways, one chosen per process (``method()``):
 
 - ``"stream_wait"``: ``cuStreamWaitValue32(GEQ)`` from cuda-python on the stream; the front end
-  of the GPU waits, no SM is used (DESIGN.md: measured working on the H200s).
+  of the GPU waits, no SM is used (measured working on H200s).
 - ``"spin"``: a one-CTA Triton kernel (``spin.py``) where stream memory operations are missing
   (no cuda-python, or the driver refuses them).
 - CPU tensors (Triton interpreter, gloo): the kernel ran synchronously, so the counter is read
