@@ -95,8 +95,8 @@ def time_queued(fn, device: torch.device, group) -> tuple[float, float]:
     ~1 ms so that the host queues the whole call before the GPU reaches it (as in a training
     step whose host runs ahead); ``gpu_ms`` is the GPU's time for the call from CUDA events,
     ``host_ms`` the host's time to issue it. A stream of such calls costs about the larger of
-    the two per call. On CPU both are the host's time. Without a process group (one GPU,
-    ``tools/gemm_sweep.py``) there is no barrier."""
+    the two per call. On CPU both are the host's time. Without a process group there is no
+    barrier."""
     if dist.is_initialized():
         dist.barrier(group=group)
     if device.type != "cuda":

@@ -1,23 +1,35 @@
-"""Single-GPU sweep of the chunk-slot GEMM (w = weight.t()) over tile configs, against cuBLAS;
-each variant's product is also checked against cuBLAS's and its chunk counters against the plan.
+"""One GPU: every kernel the library launches in place of a matmul, against cuBLAS, over the shapes
+of real models. Prints a table and writes JSON.
 
-Usage: python tools/gemm_sweep.py OUT.json [--fp32] [--configs "BM,BN,BK,W,S[,MODE];..."]
-    [--ir FILE]  (append each variant's TTGIR on the first shape to FILE)
+    python tools/gemm_sweep.py OUT.json [--suite bench|models|all] [--dtypes bf16,fp16]
+        [--layouts nk,kn] [--kernels ar,rs,ce] [--configs "BM,BN,BK,W,S;..."] [--fp32]
 
-MODE: ``grid`` (the kernel on the NCCL path's plan, the default), ``blocked`` (the plain kernel
-on a copy-engine transport's blocked plan), ``fused`` (the copy-engine transport's kernel:
-blocked plan, rank 0 of 2, this rank's block adding a peer partial whose flags are already
-set). Each variant is timed twice: ``ms`` by ``triton.testing.do_bench`` (back to back, L2
-flushed) and ``queued_ms`` as ``overlap.bench`` times (a ~1 ms GPU sleep before each call,
-CUDA events around it; the functions take turns). Rows also hold the kernel's registers,
-spills and counts of some TTGIR ops (whether the K loop was software-pipelined). Prints one
-line per variant and, last, "best ..." (least total queued time).
-``--fp32``: fp32 inputs instead (the kernel's three-TF32-product path against cuBLAS fp32).
-"""
+Kernels (each with the plan the library makes for it, world size = the shape's TP degree):
 
+- ``ar``: the NCCL path's chunk GEMM on an all-reduce plan (row bands of the standard layout);
+- ``rs``: the same on a reduce-scatter plan (each band one run per rank);
+- ``ce``: the copy engines' fused kernel (blocked all-reduce plan, rank 0, the peers' partials
+  added from receive slots whose flags are already set).
+
+Shapes (``--suite``): ``bench``, the benchmark's four; ``models``, the q/k/v, o, gate+up and
+down projections of Llama-3-8B (hidden 4096, FFN 14336, 32 heads, 8 KV heads), Llama-3-70B
+(8192, 28672, 64, 8) and Qwen2.5-32B (5120, 27648, 40, 8) at TP = 2, 4, 8 with M in {1024, 4096,
+16384}, plus ragged M (1000, 3000); ``all``, both. Column-parallel projections (q/k/v, gate+up)
+are ``[M, hidden] @ [hidden, out / TP]``, row-parallel ones (o, down) ``[M, in / TP] @ [in / TP,
+hidden]``. Layouts: ``nk`` is ``w = weight.t()`` (nn.Linear), ``kn`` a row-major ``[K, N]``
+weight. Products under 2e11 FLOP, which the library runs on the plain path, get the 2-chunk plan
+that ``chunks=2`` forces (what the planner's rule gives them). Times:
+``triton.testing.do_bench`` medians (L2 flushed), the kernels and cuBLAS taking turns; each
+product checked against cuBLAS's and the counters against the plan. ``--configs`` replaces the
+library's tile config (a variant per config); ``--fp32``: fp32 inputs (the kernel's tf32x3
+against cuBLAS fp32)."""
+
+from __future__ import annotations
+
+import argparse
 import json
 import statistics
-import sys
+import time
 
 import torch
 from triton.testing import do_bench
@@ -25,132 +37,179 @@ from triton.testing import do_bench
 from overlap.contract import Epilogue
 from overlap.gemm import chunked_matmul
 from overlap.plan import Tiles, make_plan
-from overlap.tuner import time_queued
 
-SHAPES = [(4096, 8192, 4096), (8192, 8192, 14336), (16384, 8192, 4096), (8192, 4096, 4096)]
-# (block_m, block_n, block_k, num_warps, num_stages, mode)
-CONFIGS = [(256, 128, 64, 8, 4, "grid"), (256, 128, 64, 8, 4, "blocked"),
-           (256, 128, 64, 8, 4, "fused")]  # fmt: skip
-FP32_CONFIGS = [(128, 64, 32, 4, 4, "grid")]
-IR_OPS = ("scf.for", "async_tma_copy_global_to_local", "warp_group_dot_wait", "ttg.local_alloc")
-
-
-def _ms(fn):
-    return do_bench(fn, warmup=25, rep=100, return_mode="median")
+BENCH = [(4096, 8192, 4096), (8192, 8192, 14336), (16384, 8192, 4096), (8192, 4096, 4096)]
+# name: (hidden, ffn, heads, kv_heads), head dim 128
+MODELS = {
+    "llama3-8b": (4096, 14336, 32, 8),
+    "llama3-70b": (8192, 28672, 64, 8),
+    "qwen2.5-32b": (5120, 27648, 40, 8),
+}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def _queued(fns: dict, iters: int = 30) -> dict:
-    """Median ms of each function timed as overlap.bench does, taking turns."""
-    dev = torch.device("cuda", torch.cuda.current_device())
-    times = {k: [] for k in fns}
-    for _ in range(iters):
-        for k, fn in fns.items():
-            times[k].append(time_queued(fn, dev, None)[0])
-    return {k: statistics.median(v) for k, v in times.items()}
+def model_shapes() -> list[tuple[str, int, int, int, int]]:
+    """``(label, M, N, K, tp)`` of every projection of ``MODELS`` at TP 2, 4, 8."""
+    out = []
+    for name, (h, ffn, heads, kv) in MODELS.items():
+        for tp in (2, 4, 8):
+            proj = {
+                "qkv": (h, (heads + 2 * kv) * 128 // tp),
+                "o": (heads * 128 // tp, h),
+                "gate_up": (h, 2 * ffn // tp),
+                "down": (ffn // tp, h),
+            }
+            ms = (1024, 4096, 16384) + ((1000, 3000) if name == "llama3-8b" and tp == 2 else ())
+            for p, (K, N) in proj.items():
+                out += [(f"{name} {p} tp{tp}", M, N, K, tp) for M in ms]
+    return out
 
 
-def _parse(spec: str) -> tuple:
-    parts = spec.split(",")
-    return (*(int(v) for v in parts[:5]), parts[5] if len(parts) > 5 else "grid")
+def suite(which: str) -> list[tuple[str, int, int, int, int]]:
+    bench = [("bench", M, N, K, 2) for M, N, K in BENCH]
+    return {"bench": bench, "models": model_shapes(), "all": bench + model_shapes()}[which]
 
 
-def _variant(x, w, y, cfg, dtype):
-    """(launch, check) for one variant: ``launch()`` runs it, ``check()`` returns the error
-    against cuBLAS's ``y`` and whether the counters grew by the plan's tiles per chunk."""
+def _x_rows(plan) -> torch.Tensor:
+    """``plan.x_row`` of every slot row, at once (the Python loop takes seconds at M = 16384)."""
+    q = torch.arange(plan.M, device="cuda")
+    a = q // plan.chunk_rows
+    last = a == plan.n_row_bands - 1
+    run = torch.where(last, plan.run_rows_last, plan.run_rows)
+    within = q - a * plan.chunk_rows
+    r = within // run
+    return r * plan.rank_block_rows + a * plan.run_rows + within - r * run
+
+
+def _variant(kind, x, w, tp, dtype, tiles):
+    """``(launch, check)``: ``launch()`` runs the kernel, ``check(y)`` returns its error
+    against cuBLAS's ``y`` and whether its counters match the plan."""
     M, K = x.shape
     N = w.shape[1]
-    *tile, mode = cfg
-    blocked = mode != "grid"
-    plan = make_plan(
-        M, N, K, world_size=2, collective="all_reduce", dtype_bits=dtype.itemsize * 8,
-        tiles=Tiles(*tile), blocked=blocked, **({"chunks": 4} if blocked else {}),
-    )  # fmt: skip
-    kw = {}
+    coll = "reduce_scatter" if kind == "rs" else "all_reduce"
+    blocked = kind == "ce"
+    if coll == "reduce_scatter" and M % tp:
+        return None
+    kw = dict(world_size=tp, collective=coll, dtype_bits=dtype.itemsize * 8, tiles=tiles,
+              blocked=blocked, transport="ce" if blocked else "torch")  # fmt: skip
+    plan = make_plan(M, N, K, **kw)
+    if plan.path != "overlap":  # under 2e11 FLOP the library takes the plain path; the
+        plan = make_plan(M, N, K, chunks=2, **kw)  # planner's rule gives 2 chunks there
+    if plan.path != "overlap":
+        return None
+    slots = torch.full((M * N,), float("nan"), device="cuda", dtype=dtype)
     cnt = torch.zeros(64, dtype=torch.int32, device="cuda")
-    p = torch.full((M * N,), float("nan"), device="cuda", dtype=dtype)
-    out = torch.full((M, N), float("nan"), device="cuda", dtype=dtype)
-    fused = mode == "fused"
-    if fused:  # rank 0: block 0 is its own, to which rank 1's partial is added; flags are set
-        recv = torch.randn(2, M // 2, N, device="cuda", dtype=dtype)
+    kw, out, recv = {}, None, None  # the launch's keywords from here on
+    if blocked:  # rank 0: its own block adds the partials of ranks 1..tp-1, flags already set
+        B = M // tp
+        out = torch.full((M, N), float("nan"), device="cuda", dtype=dtype)
+        recv = torch.randn(tp, B, N, device="cuda", dtype=dtype)
         recv[0] = float("nan")  # rank 0's own slot is never read
-        flags = torch.full((64,), 1 << 30, dtype=torch.int32, device="cuda")
+        flags = torch.full((64 * tp,), 1 << 20, dtype=torch.int32, device="cuda")
         kw["epilogue"] = Epilogue(out, recv, flags, 1, 0)
     calls = [0]
 
     def launch():
         calls[0] += 1
-        return chunked_matmul(x, w, p, cnt, plan, **kw)
+        return chunked_matmul(x, w, slots, cnt, plan, **kw)
 
-    def check():
+    def check(y):
         torch.cuda.synchronize()
-        got = p.view(M, N).float()
-        if fused:
-            got[: M // 2] = out[: M // 2].float() - recv[1].float()
+        if blocked:  # own block from `out` less the partials, the rest from the slots
+            B = M // tp
+            got = slots.view(M, N).float()
+            got[:B] = out[:B].float() - recv[1:].float().sum(0)
+        else:
+            got, x_rows = torch.empty(M, N, device="cuda"), _x_rows(plan)
+            for c in range(plan.n_chunks):
+                off, rows, cols, row0, col0 = plan.chunk_slot(c)
+                block = slots[off : off + rows * cols].view(rows, cols).float()
+                got[x_rows[row0 : row0 + rows], col0 : col0 + cols] = block
         err = ((got - y.float()).norm() / y.float().norm()).item()
-        want = [calls[0] * t for t in plan.tiles_per_chunk]
-        return err, cnt[: plan.n_chunks].tolist() == want
+        return err, cnt[: plan.n_chunks].tolist() == [calls[0] * t for t in plan.tiles_per_chunk]
 
-    return launch, check
+    return launch, check, plan
 
 
-def main(out_path, fp32=False, configs=None, ir_path=None):
-    dtype = torch.float32 if fp32 else torch.bfloat16
-    configs = configs or (FP32_CONFIGS if fp32 else CONFIGS)
-    shapes = [(2048, 4096, 4096), (4096, 8192, 4096)] if fp32 else SHAPES
-    rows, total = [], {c: 0.0 for c in configs}
-    for M, N, K in shapes:
-        x = torch.randn(M, K, device="cuda", dtype=dtype)
-        w = torch.randn(N, K, device="cuda", dtype=dtype).t()
-        y = torch.empty(M, N, device="cuda", dtype=dtype)
-        tflop = 2 * M * N * K / 1e9
-        fns = {"cublas": lambda: torch.matmul(x, w, out=y)}
-        shape_rows = {"cublas": dict(shape=(M, N, K), kernel="cublas", ms=_ms(fns["cublas"]))}
-        checks = {}
-        for cfg in configs:
-            row = dict(shape=(M, N, K), kernel="ours", config=cfg)
-            shape_rows[cfg] = row
-            try:
-                launch, check = _variant(x, w, y, cfg, dtype)
-                k = launch()
-                ir = k.asm.get("ttgir", "")
-                if ir_path and (M, N, K) == shapes[0]:
-                    with open(ir_path, "a") as f:
-                        f.write(f"// ===== {cfg}\n{ir}\n")
-                row.update(regs=k.n_regs, spills=k.n_spills, ir={op: ir.count(op) for op in IR_OPS})
-                row["ms"] = _ms(launch)
-                fns[cfg], checks[cfg] = launch, check
-            except Exception as e:  # noqa: BLE001 (a config that does not compile)
-                row.update(error=f"{type(e).__name__}: {str(e)[:160]}")
-                total[cfg] = float("inf")
-        for name, t in _queued(fns).items():
-            shape_rows[name]["queued_ms"] = t
-        for cfg, check in checks.items():
-            err, counted = check()
-            row = shape_rows[cfg]
-            row.update(err_vs_cublas=err, counters_ok=counted)
-            ok = err < 1e-2 and counted
-            total[cfg] += row["queued_ms"] if ok else float("inf")
-        cub = shape_rows["cublas"]
-        for row in shape_rows.values():
-            if "queued_ms" in row:
-                row["tflops"] = tflop / row["queued_ms"]
-                row["vs_cublas"] = row["queued_ms"] / cub["queued_ms"]
-                row["vs_cublas_do_bench"] = row["ms"] / cub["ms"]
-            rows.append(row)
-            print(row, flush=True)
-    best = min(configs, key=lambda c: total[c])
-    json.dump(
-        {"rows": rows, "best": best, "total_ms": {str(k): v for k, v in total.items()}},
-        open(out_path, "w"),
-        indent=1,
-    )
-    print("best", ",".join(map(str, best)))
+def _write(path: str, rows: list[dict], t0: float, verbose: bool = False) -> None:
+    """The JSON: rows, and per kernel the median and worst ratio to cuBLAS."""
+    summary = {}
+    for n in {k for r in rows for k in r["kernels"]}:
+        ratios = [r["kernels"][n]["ratio"] for r in rows if n in r["kernels"]]
+        worst = max((r for r in rows if n in r["kernels"]), key=lambda r: r["kernels"][n]["ratio"])
+        summary[n] = dict(median=statistics.median(ratios), worst=max(ratios), n=len(ratios),
+                          worst_at=f"{worst['label']} {worst['M']}x{worst['N']}x{worst['K']} "
+                                   f"{worst['dtype']} {worst['layout']}")  # fmt: skip
+        if verbose:
+            s = summary[n]
+            print(f"{n}: x cuBLAS median {s['median']:.3f}, worst {s['worst']:.3f} at "
+                  f"{s['worst_at']} ({len(ratios)} rows)")  # fmt: skip
+    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                date=time.strftime("%Y-%m-%d"), seconds=round(time.time() - t0))  # fmt: skip
+    with open(path, "w") as f:
+        json.dump({"meta": meta, "summary": summary, "rows": rows}, f, indent=1)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("out")
+    ap.add_argument("--suite", default="all", choices=["bench", "models", "all"])
+    ap.add_argument("--dtypes", default="bf16,fp16")
+    ap.add_argument("--layouts", default="nk,kn")
+    ap.add_argument("--kernels", default="ar,rs,ce")
+    ap.add_argument("--configs", default="", help="BM,BN,BK,W,S;... (default: the library's)")
+    ap.add_argument("--fp32", action="store_true", help="fp32 inputs (--dtypes fp32)")
+    ap.add_argument("--rounds", type=int, default=2, help="turns of every variant per shape")
+    a = ap.parse_args(argv)
+    dtypes = ["fp32"] if a.fp32 else a.dtypes.split(",")
+    configs = [Tiles(*(int(v) for v in c.split(","))) for c in a.configs.split(";") if c] or [None]
+    kernels = a.kernels.split(",")
+    rows, t0 = [], time.time()
+    print(f"{'shape':>28} {'MxNxK':>18} dt lay {'cuBLAS':>7}  kernel ms (x cuBLAS) ...", flush=True)
+    for label, M, N, K, tp in suite(a.suite):
+        for dname in dtypes:
+            dtype = DTYPES[dname]
+            x = torch.randn(M, K, device="cuda", dtype=dtype)
+            for layout in a.layouts.split(","):
+                w_nk = torch.randn(N, K, device="cuda", dtype=dtype) / K**0.5
+                w = w_nk.t() if layout == "nk" else w_nk.t().contiguous()
+                y = torch.empty(M, N, device="cuda", dtype=dtype)
+                fns = {"cublas": lambda x=x, w=w, y=y: torch.matmul(x, w, out=y)}
+                checks, plans, regs = {}, {}, {}
+                for kind in kernels:
+                    for cfg in configs:
+                        name = kind if cfg is None else f"{kind}:{cfg.block_m}x{cfg.block_n}x" \
+                            f"{cfg.block_k}/{cfg.num_warps}/{cfg.num_stages}"  # fmt: skip
+                        v = _variant(kind, x, w, tp, dtype, cfg)
+                        if v is None:
+                            continue
+                        launch, check, plan = v
+                        k = launch()
+                        regs[name] = (k.n_regs, k.n_spills) if k is not None else None
+                        fns[name], checks[name], plans[name] = launch, check, plan
+                times = {n: [] for n in fns}
+                for _ in range(a.rounds):
+                    for n, fn in fns.items():
+                        times[n].append(do_bench(fn, warmup=5, rep=20, return_mode="median"))
+                fns["cublas"]()
+                cub = statistics.median(times["cublas"])
+                row = dict(label=label, M=M, N=N, K=K, tp=tp, dtype=dname, layout=layout,
+                           cublas_ms=cub, cublas_tflops=2 * M * N * K / cub / 1e9,
+                           kernels={})  # fmt: skip
+                line = f"{label:>28} {M}x{N}x{K:<6} {dname} {layout} {cub:7.4f} "
+                for n, check in checks.items():
+                    ms = statistics.median(times[n])
+                    err, counted = check(y)
+                    row["kernels"][n] = dict(ms=ms, ratio=ms / cub, err=err, counters_ok=counted,
+                                             chunks=plans[n].n_chunks, regs=regs[n])  # fmt: skip
+                    bad = "" if err < 1e-2 and counted else " WRONG"
+                    line += f" {n} {ms:.4f} ({ms / cub:.3f}){bad}"
+                rows.append(row)
+                print(line, flush=True)
+        _write(a.out, rows, t0)  # after every shape: a run cut short keeps what it measured
+    _write(a.out, rows, t0, verbose=True)
+    print(f"wrote {a.out} ({round(time.time() - t0)} s)")
 
 
 if __name__ == "__main__":
-    args = sys.argv[1:]
-    chosen = None
-    if "--configs" in args:
-        chosen = [_parse(c) for c in args[args.index("--configs") + 1].split(";")]
-    ir_file = args[args.index("--ir") + 1] if "--ir" in args else None
-    main(args[0], fp32="--fp32" in args, configs=chosen, ir_path=ir_file)
+    main()
