@@ -1,20 +1,19 @@
 """Benchmark: ``torchrun --nproc-per-node=2 -m overlap.bench [--out bench.json]``.
 
-Per shape and collective (bf16, ``x [M, K]`` and ``w = weight.t()`` of ``[N, K]``):
-cuBLAS GEMM alone, the kernel of the plan that runs alone (with its signals, without a copy-engine
-transport's epilogue), the collective alone on the
+Per shape and collective (bf16, ``x [M, K]`` and ``w = weight.t()`` of ``[N, K]``): cuBLAS GEMM
+alone, the kernel the call runs alone (``kernel_alone``: with its signals and, through the copy
+engines, its fused epilogue with the peers' partials already there), the collective alone on the
 product, sequential (cuBLAS + collective), this library, the speedup over sequential and the
-hidden fraction ``eta = (T_seq - T_overlap) / (T_seq - max(T_gemm, T_comm))``; for
-reduce-scatter also torch's async-TP (``fused_matmul_reduce_scatter``) where it runs. Peak GPU
-memory of the sequential and the overlapped call, and host time per overlapped call.
+hidden fraction ``eta = (T_seq - T_overlap) / (T_seq - max(T_gemm, T_comm))``; for reduce-
+scatter also torch's async-TP (``fused_matmul_reduce_scatter``) where it runs. Peak GPU memory
+of the sequential and the overlapped call, and host time per overlapped call.
 
 Timing: CUDA events around each call, ranks lined up by a barrier and a ~1 ms GPU sleep before
 each timed call, so the host has queued the whole call before the GPU reaches it, as in a
 training step whose host runs ahead; the host time per call is reported beside it. Median over
-the iterations, max over ranks. Prints a table; rank 0 writes JSON. ``--graph`` times
-CUDA-graph replays of every function instead (no host time at all); ``--tune`` lets
-``overlap.tune`` choose each row's plan first.
-"""
+the iterations, max over ranks. Prints a table; rank 0 writes JSON. ``--graph`` times CUDA-graph
+replays of every function instead (no host time at all); ``--tune`` lets ``overlap.tune`` choose
+each row's plan first."""
 
 from __future__ import annotations
 
@@ -58,6 +57,33 @@ def _time_all(fns: dict, iters: int, warmup: int = 3) -> dict:
     t = torch.tensor([statistics.median(v) for v in times.values()], device="cuda")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return dict(zip(fns, t.tolist(), strict=True))
+
+
+def kernel_alone(x: torch.Tensor, w: torch.Tensor, plan: overlap.Plan, rank: int = 0):
+    """``(launch, buffers)``: ``launch()`` runs the GEMM that a call with ``plan`` runs
+    (``x [M, K]``, ``w [K, N]``), with no transport: the plain epilogue, or for blocked plans
+    the copy engines' fused epilogue as rank ``rank``, the peers' partials in its receive
+    slots and their flags already set. ``buffers``: ``slots`` (NaN first), ``counters`` and,
+    for blocked plans, ``out`` (NaN first) and ``recv`` (``[R, M / R, N]``, random)."""
+    from overlap.contract import Epilogue
+    from overlap.gemm import chunked_matmul
+
+    M, N, K, R = plan.M, plan.N, plan.K, plan.world_size
+    new = dict(device=x.device, dtype=x.dtype)
+    bufs = dict(slots=torch.full((M * N,), float("nan"), **new),
+                counters=torch.zeros(64, dtype=torch.int32, device=x.device))  # fmt: skip
+    kw = {}
+    if plan.blocked:
+        bufs["out"] = torch.full(plan.spec.result_shape((M, K), N, R), float("nan"), **new)
+        bufs["recv"] = torch.randn(R, M // R, N, **new)
+        bufs["recv"][rank] = float("nan")  # a rank's own slot is never read
+        flags = torch.full((plan.n_chunks,), 1 << 20, dtype=torch.int32, device=x.device)
+        kw["epilogue"] = Epilogue(bufs["out"], bufs["recv"], flags, 1, rank)
+
+    def launch():
+        return chunked_matmul(x, w, bufs["slots"], bufs["counters"], plan, **kw)
+
+    return launch, bufs
 
 
 def _graphed(fn):
@@ -158,13 +184,8 @@ def bench_one(
         "tuned_ms": tuned and tuned.ms,
     }
     fns = {"gemm_cublas": lambda: torch.matmul(x, w, out=y)}
-    if p.path == "overlap":
-        from overlap.gemm import chunked_matmul
-        from overlap.signal import ChunkCounters
-
-        counters = ChunkCounters(dev)
-        slots = torch.empty(M * N, device=dev, dtype=torch.bfloat16)
-        fns["gemm_overlap_kernel"] = lambda: chunked_matmul(x, w, slots, counters.tensor, p)
+    if p.path == "overlap":  # the kernel the call runs, with its transport's epilogue
+        fns["gemm_overlap_kernel"] = kernel_alone(x, w, p, dist.get_rank(ovl_group))[0]
     fns["comm"] = lambda: plain(y, out, group)
     fns["sequential"] = seq
     fns["overlap"] = ovl

@@ -34,8 +34,7 @@ import time
 import torch
 from triton.testing import do_bench
 
-from overlap.contract import Epilogue
-from overlap.gemm import chunked_matmul
+from overlap.bench import kernel_alone
 from overlap.plan import Tiles, make_plan
 
 BENCH = [(4096, 8192, 4096), (8192, 8192, 14336), (16384, 8192, 4096), (8192, 4096, 4096)]
@@ -97,21 +96,13 @@ def _variant(kind, x, w, tp, dtype, tiles):
         plan = make_plan(M, N, K, chunks=2, **kw)  # planner's rule gives 2 chunks there
     if plan.path != "overlap":
         return None
-    slots = torch.full((M * N,), float("nan"), device="cuda", dtype=dtype)
-    cnt = torch.zeros(64, dtype=torch.int32, device="cuda")
-    kw, out, recv = {}, None, None  # the launch's keywords from here on
-    if blocked:  # rank 0: its own block adds the partials of ranks 1..tp-1, flags already set
-        B = M // tp
-        out = torch.full((M, N), float("nan"), device="cuda", dtype=dtype)
-        recv = torch.randn(tp, B, N, device="cuda", dtype=dtype)
-        recv[0] = float("nan")  # rank 0's own slot is never read
-        flags = torch.full((64 * tp,), 1 << 20, dtype=torch.int32, device="cuda")
-        kw["epilogue"] = Epilogue(out, recv, flags, 1, 0)
+    launch, bufs = kernel_alone(x, w, plan)
+    slots, cnt, out, recv = bufs["slots"], bufs["counters"], bufs.get("out"), bufs.get("recv")
     calls = [0]
 
-    def launch():
+    def counted_launch():
         calls[0] += 1
-        return chunked_matmul(x, w, slots, cnt, plan, **kw)
+        return launch()
 
     def check(y):
         torch.cuda.synchronize()
@@ -128,7 +119,7 @@ def _variant(kind, x, w, tp, dtype, tiles):
         err = ((got - y.float()).norm() / y.float().norm()).item()
         return err, cnt[: plan.n_chunks].tolist() == [calls[0] * t for t in plan.tiles_per_chunk]
 
-    return launch, check, plan
+    return counted_launch, check, plan
 
 
 def _write(path: str, rows: list[dict], t0: float, verbose: bool = False) -> None:
