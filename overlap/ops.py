@@ -217,8 +217,9 @@ def matmul_collective(
 
     Returns:
         The result in the plain torch call's layout: ``[..., N]``, or ``[M / R, N]`` for
-        reduce-scatter. Differentiable when ``x`` or ``w`` requires grad (``_Backward``: the
-        backward is not overlapped).
+        reduce-scatter. Differentiable when ``x`` or ``w`` requires grad (the registered
+        backward, ``_backward_op``: not overlapped); usable under ``torch.compile``
+        (``fullgraph=True`` too: the call is the custom op ``overlap::matmul_collective``).
 
     Raises:
         TypeError: wrong type of ``x``, ``w``, ``out`` or ``group``, or wrong dtype.
@@ -229,10 +230,19 @@ def matmul_collective(
             not finish, within ``overlap.configure``'s timeout.
     """
     _check(x, w, collective, op, backend, group)
-    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+    grad = torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)
+    if grad or torch.compiler.is_compiling():
+        # the registered op: opaque to torch.compile, its backward registered with autograd
         if out is not None:
-            raise ValueError("out= does not support autograd (x or w requires grad)")
-        return _Backward.apply(x, w, collective, group, op, backend, chunks)
+            why = "autograd (x or w requires grad)" if grad else "torch.compile"
+            raise ValueError(f"out= does not support {why}")
+        gname = "" if group is None else group.group_name
+        return torch.ops.overlap.matmul_collective(x, w, collective, gname, op, backend, chunks)
+    return _forward(x, w, collective, group, op, out, backend, chunks)
+
+
+def _forward(x, w, collective, group, op, out, backend, chunks) -> torch.Tensor:
+    """``matmul_collective`` of checked arguments, without autograd."""
     capturing = _capturing(x)
     p, ctx = _plan_for(x, w, collective, group, chunks, backend, capturing)
     R, M, N = p.world_size, p.M, p.N
@@ -323,32 +333,69 @@ def overlapped(
             guard.watch(s, transport.abort, p.describe())
 
 
-class _Backward(torch.autograd.Function):
-    """``matmul_collective`` under autograd, with the conventions of tensor parallelism
-    (Megatron's): the gradient of this rank's product is ``Collective.backward`` of the
-    result's gradient (``overlap/collectives.py``), scaled by ``1 / R`` for ``op="avg"``;
-    then ``dx = g_P @ w^T`` and ``dw = x^T @ g_P``. The backward runs plain torch ops
-    (collective, then two matmuls): it is not overlapped.
-    """
+# The ops as torch custom ops: torch.compile(fullgraph=True) keeps them whole (Dynamo cannot
+# trace the library's Python: locks, driver calls), and autograd runs the registered backward.
+# A group travels as its name ("" for None); the ops resolve it in Python, outside tracing.
 
-    @staticmethod
-    def forward(ctx, x, w, name, group, op, backend, chunks):  # noqa: D102
-        ctx.save_for_backward(x, w)
-        ctx.name, ctx.group, ctx.op = name, group, op
-        return matmul_collective(x, w, name, group=group, op=op, backend=backend, chunks=chunks)
 
-    @staticmethod
-    def backward(ctx, g):  # noqa: D102
-        x, w = ctx.saved_tensors
-        R = _world(ctx.group)
-        g2 = g.reshape(-1, w.shape[1]).contiguous()
-        gp = collective(ctx.name).backward(g2, ctx.group) if R > 1 else g2
-        if ctx.op == "avg" and R > 1:
-            gp = gp / R
-        x2 = x.reshape(-1, x.shape[-1])
-        dx = (gp @ w.t()).reshape(x.shape) if ctx.needs_input_grad[0] else None
-        dw = x2.t() @ gp if ctx.needs_input_grad[1] else None
-        return dx, dw, None, None, None, None, None
+def _group(name: str) -> dist.ProcessGroup | None:
+    return None if not name else dist.distributed_c10d._resolve_process_group(name)
+
+
+@torch.library.custom_op("overlap::matmul_collective", mutates_args=())
+def _matmul_collective_op(
+    x: torch.Tensor, w: torch.Tensor, collective: str, group: str, op: str, backend: str,
+    chunks: int | None,
+) -> torch.Tensor:  # fmt: skip
+    """``matmul_collective`` as a custom op; ``group``: the group's name, "" for None."""
+    return _forward(x, w, collective, _group(group), op, None, backend, chunks)
+
+
+@_matmul_collective_op.register_fake
+def _(x, w, collective_name, group, op, backend, chunks):
+    R = _world(_group(group))
+    return x.new_empty(collective(collective_name).result_shape(tuple(x.shape), w.shape[1], R))
+
+
+@torch.library.custom_op("overlap::matmul_collective_backward", mutates_args=())
+def _backward_op(
+    g: torch.Tensor, x: torch.Tensor, w: torch.Tensor, collective_name: str, group: str, op: str,
+    need_dx: bool, need_dw: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``(dx, dw)`` of ``matmul_collective`` (empty where not needed), with the conventions of
+    tensor parallelism (Megatron's): the gradient of this rank's product is
+    ``Collective.backward`` of the result's gradient ``g`` (``overlap/collectives.py``),
+    scaled by ``1 / R`` for ``op="avg"``; then ``dx = g_P @ w^T`` and ``dw = x^T @ g_P``.
+    Plain torch ops (collective, then two matmuls): not overlapped."""
+    pg = _group(group)
+    R = _world(pg)
+    g2 = g.reshape(-1, w.shape[1]).contiguous()
+    gp = collective(collective_name).backward(g2, pg) if R > 1 else g2
+    if op == "avg" and R > 1:
+        gp = gp / R
+    dx = (gp @ w.t()).reshape(x.shape) if need_dx else x.new_empty(0)
+    dw = x.reshape(-1, x.shape[-1]).t() @ gp if need_dw else w.new_empty(0)
+    return dx, dw
+
+
+@_backward_op.register_fake
+def _(g, x, w, collective_name, group, op, need_dx, need_dw):
+    return (x.new_empty(x.shape if need_dx else 0), w.new_empty(w.shape if need_dw else 0))
+
+
+def _setup(ctx, inputs, output) -> None:
+    x, w, ctx.collective, ctx.group, ctx.op = inputs[:5]
+    ctx.save_for_backward(x, w)
+
+
+def _backward(ctx, g):
+    x, w = ctx.saved_tensors
+    need_dx, need_dw = ctx.needs_input_grad[:2]
+    dx, dw = _backward_op(g, x, w, ctx.collective, ctx.group, ctx.op, need_dx, need_dw)
+    return dx if need_dx else None, dw if need_dw else None, None, None, None, None, None
+
+
+_matmul_collective_op.register_autograd(_backward, setup_context=_setup)
 
 
 def _plain(

@@ -168,14 +168,23 @@ def _draw(R: int, dtype: torch.dtype, shape: tuple, seed: int):
 
 
 def check_grad_case(
-    rank: int, R: int, device: str, case: tuple, seed: int, *, chunks: int | None = None
+    rank: int,
+    R: int,
+    device: str,
+    case: tuple,
+    seed: int,
+    *,
+    chunks: int | None = None,
+    call=None,
 ) -> str | None:
-    """Backward of one ``overlap.matmul_collective`` call on this rank (``x [..., K]`` and
-    ``w = weight.t()``, both requiring grad), against float64 autograd over every rank's
-    inputs: the loss is ``<y, g>`` with one ``g`` for the replicated all-reduce result, and the
-    sum of every rank's ``<y_r, g_r>`` otherwise (``overlap.ops._Backward``).
+    """Forward and backward of one ``overlap.matmul_collective`` call on this rank
+    (``x [..., K]`` and ``w = weight.t()``, both requiring grad), against float64 autograd over
+    every rank's inputs: the loss is ``<y, g>`` with one ``g`` for the replicated all-reduce
+    result, and the sum of every rank's ``<y_r, g_r>`` otherwise (the registered backward,
+    ``overlap.ops._backward_op``).
 
-    ``case`` is ``(collective, dtype, shape, op)``, ``shape`` as in ``check_case``."""
+    ``case`` is ``(collective, dtype, shape, op)``, ``shape`` as in ``check_case``. ``call``
+    replaces ``overlap.matmul_collective`` (e.g. a ``torch.compile`` of it)."""
     collective, dtype, shape, op = case
     g, xs, ws = _draw(R, dtype, shape, seed)
     *lead, K, N = shape
@@ -188,25 +197,29 @@ def check_grad_case(
     scale = 1.0 / R if op == "avg" else 1.0
     Mr = M // R
     if collective == "all_reduce":
-        loss = (sum(P) * scale * gs[0].double()).sum()
+        Y = [sum(P) * scale] * R
     elif collective == "reduce_scatter":
-        loss = sum((sum(P)[r * Mr : (r + 1) * Mr] * scale * gs[r].double()).sum() for r in range(R))
+        Y = [sum(P)[r * Mr : (r + 1) * Mr] * scale for r in range(R)]
     else:
-        loss = sum(
-            (torch.cat([p[r * Mr : (r + 1) * Mr] for p in P]) * gs[r].double()).sum()
-            for r in range(R)
-        )
+        Y = [torch.cat([p[r * Mr : (r + 1) * Mr] for p in P]) for r in range(R)]
+    if collective == "all_reduce":
+        loss = (Y[0] * gs[0].double()).sum()
+    else:
+        loss = sum((Y[r] * gs[r].double()).sum() for r in range(R))
     loss.backward()
     x = xs[rank].to(device).requires_grad_()
     weight = ws[rank].to(device).requires_grad_()
     name = f"backward {collective} {dtype} {shape} op={op} rank={rank}"
     try:
-        y = overlap.matmul_collective(x, weight.t(), collective, op=op, chunks=chunks)
+        y = (call or overlap.matmul_collective)(x, weight.t(), collective, op=op, chunks=chunks)
         mine = gs[0] if collective == "all_reduce" else gs[rank]
         (y.reshape(-1, N) * mine.to(device)).sum().backward()
     except Exception as e:
         return f"{name}: {type(e).__name__}: {e}"
-    for what, got, ref in (("dx", x.grad, X[rank].grad), ("dw", weight.grad, W[rank].grad)):
+    got_y = y.detach().reshape(-1, N).cpu()
+    checks = (("y", got_y, Y[rank].detach()), ("dx", x.grad, X[rank].grad),
+              ("dw", weight.grad, W[rank].grad))  # fmt: skip
+    for what, got, ref in checks:
         if got is None:
             return f"{name}: {what} is None"
         why = mismatch(got.reshape(ref.shape).cpu(), ref, TOL[dtype])
