@@ -511,3 +511,37 @@ def test_host_road_one_gpu(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setenv("NCCL_P2P_DISABLE", "1")
     spawn(_host_road_one_gpu, 2, random.randrange(1 << 30))
+
+
+def _compile_one_gpu(rank, R, seed):
+    """2 ranks on GPU 0 over gloo: ``torch.compile(fullgraph=True)`` of an all-reduce call with
+    autograd, through the copy engines' host road, forward and backward against float64 (the
+    backward of an all-reduce has no collective, which gloo could not run on CUDA tensors)."""
+    torch.cuda.set_device(0)
+
+    @torch.compile(fullgraph=True)
+    def call(x, w, collective, op, chunks):
+        import overlap
+
+        return overlap.matmul_collective(2 * x, w, collective, op=op, chunks=chunks) / 2
+
+    failures = []
+    for i, (dtype, shape) in enumerate(((torch.bfloat16, (1024, 512, 1024)),
+                                        (torch.float32, (4, 128, 256, 512)))):  # fmt: skip
+        case = ("all_reduce", dtype, shape, "sum")
+        msg = check_grad_case(rank, R, "cuda:0", case, seed + i, chunks=4, call=call)
+        failures += [msg] if msg else []
+    from overlap.context import _contexts
+
+    if not any("ce" in c._transports for c in _contexts.values()):
+        failures.append("no call went through the copy engines")
+    return failures
+
+
+def test_compile_host_road_one_gpu(monkeypatch):
+    """One GPU: the custom op under torch.compile and autograd, with the real kernel."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setenv("NCCL_P2P_DISABLE", "1")
+    spawn(_compile_one_gpu, 2, random.randrange(1 << 30))
