@@ -40,7 +40,18 @@ def _compiled(rank, R, seed, backend):
                "all_to_all": torch.cat([p[own] for p in prods])}[coll]  # fmt: skip
         why = mismatch(y, ref, TOL[torch.float32])
         failures += [f"no_grad {coll} rank {rank}: {why}"] if why else []
-    return failures
+    # a group of the caller's, not the default one: it travels into the op by name
+    group = torch.distributed.new_group([0, 1])
+
+    @torch.compile(fullgraph=True, backend=backend)
+    def grouped(x, w):
+        return overlap.matmul_collective(x, w, group=group, chunks=2)
+
+    _, xs, ws = _draw(R, torch.float32, (64, 32, 48), seed + 200)
+    y = grouped(xs[rank], ws[rank].t())
+    ref = sum(x.double() @ w.double().t() for x, w in zip(xs, ws, strict=True))
+    why = mismatch(y, ref, TOL[torch.float32])
+    return failures + ([f"explicit group rank {rank}: {why}"] if why else [])
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
