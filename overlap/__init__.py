@@ -6,9 +6,11 @@ optional backends are imported on first use.
 Layers (each knows only those below it): ``plan`` and ``collectives`` (pure Python),
 ``contract`` (what kernel and copy-engine transports agree on), ``signal`` (counters, stream
 waits), ``gemm`` (Triton kernels), ``comm`` (transports, no Triton), ``context`` (per group,
-device and stream state), ``ops`` (the public calls), ``tuner`` and ``bench`` on top.
+device and stream state), ``ops`` (the public calls), ``nn`` (tensor-parallel layers),
+``tuner`` and ``bench`` on top.
 """
 
+from . import nn
 from .collectives import COLLECTIVES, OPS
 from .context import release
 from .guard import RankMismatchError, configure
@@ -27,6 +29,7 @@ __all__ = [
     "matmul_allreduce",
     "matmul_collective",
     "matmul_reduce_scatter",
+    "nn",
     "plan",
     "release",
     "tune",

@@ -1,0 +1,284 @@
+"""Tensor-parallel linear layers (Megatron's conventions) on the library's overlapped ops.
+
+A transformer block pairs them: a ``ColumnParallelLinear`` (q/k/v, gate/up) splits the output
+features over the ranks, a ``RowParallelLinear`` (o, down) splits the input features and
+sums the ranks' partial products. Shapes (``R`` ranks of ``group``, ``T`` tokens = the
+product of the leading dims of ``x``):
+
+====================  =========================  ==============================================
+layer                 input                      output
+====================  =========================  ==============================================
+Column                ``[..., in]``              ``[..., out / R]`` (``gather_output``:
+                      (``sequence_parallel``:    ``[..., out]``)
+                      ``[T / R, ..., in]``,
+                      gathered first)
+Row                   ``[..., in / R]``          ``[..., out]`` (``sequence_parallel``:
+                      (``input_is_parallel``     ``[T / R, ..., out]``, reduce-scattered)
+                      False: ``[..., in]``)
+====================  =========================  ==============================================
+
+``sequence_parallel`` shards the tokens: the leading dims flattened into ``T`` rows, rank
+``r`` holding rows ``[r T / R, (r + 1) T / R)``. For Megatron's sequence-first ``[s, b, h]``
+that is dim 0 (the sequence); a batch-first ``[b, s, h]`` model gets the batch dim split
+instead, which is the same for the token-wise parts between the two layers (norms, dropout,
+residuals) as long as both layers see the same layout; pass ``[s, b, h]`` where the
+attention must see whole sequences.
+
+What is overlapped today: the row layer's all-reduce or reduce-scatter (forward); the column
+layer's input gradient (its all-reduce, ``matmul_allreduce(g, w)``, or under sequence
+parallelism its reduce-scatter, ``matmul_reduce_scatter(g, w)``). The column layer's forward
+all-gather (sequence parallelism) and the row layer's backward all-gather are plain torch
+collectives until the library has an all-gather + matmul. At world size 1 both layers are
+``nn.Linear``. The layers run eagerly; ``torch.compile`` of them is not tested yet.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .ops import matmul_collective
+
+
+def _rank_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    if group is None and not (dist.is_available() and dist.is_initialized()):
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _split(n: int, R: int, what: str) -> int:
+    if n % R:
+        raise ValueError(f"{what} ({n}) must be divisible by the world size ({R})")
+    return n // R
+
+
+def _gather_last(y: torch.Tensor, group, R: int) -> torch.Tensor:
+    """``[..., n]`` of every rank -> ``[..., R n]`` (rank order)."""
+    parts = [torch.empty_like(y) for _ in range(R)]
+    dist.all_gather(parts, y.contiguous(), group=group)
+    return torch.cat(parts, dim=-1)
+
+
+def _gather_rows(x: torch.Tensor, group, R: int) -> torch.Tensor:
+    """``[T / R, ...]`` of every rank -> ``[T, ...]`` (rank order)."""
+    full = x.new_empty((x.shape[0] * R, *x.shape[1:]))
+    dist.all_gather_into_tensor(full, x.contiguous(), group=group)
+    return full
+
+
+class _Column(torch.autograd.Function):
+    """``x @ w.t()`` whose input gradient is summed over the ranks (the replicated input's
+    contributions), overlapped: ``matmul_allreduce(g, w)``; with ``sequence_parallel`` the
+    input is gathered first (plain) and its gradient reduce-scattered back, overlapped:
+    ``matmul_reduce_scatter(g, w)``. ``w``: the weight shard ``[out / R, in]``."""
+
+    @staticmethod
+    def forward(ctx, x, w, group, R, sequence_parallel):  # noqa: D102
+        full = _gather_rows(x, group, R) if sequence_parallel and R > 1 else x
+        ctx.save_for_backward(full, w)  # the weight gradient reuses the gathered input
+        ctx.group, ctx.R, ctx.sp, ctx.shape = group, R, sequence_parallel, x.shape
+        return full @ w.t()
+
+    @staticmethod
+    def backward(ctx, g):  # noqa: D102
+        full, w = ctx.saved_tensors
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            coll = "reduce_scatter" if ctx.sp else "all_reduce"
+            dx = matmul_collective(g, w, coll, group=ctx.group).reshape(ctx.shape)
+        if ctx.needs_input_grad[1]:
+            dw = g.reshape(-1, g.shape[-1]).t() @ full.reshape(-1, full.shape[-1])
+        return dx, dw, None, None, None
+
+
+class _GatherLastDim(torch.autograd.Function):
+    """``[..., n]`` of every rank -> ``[..., R n]``; the gradient: this rank's columns."""
+
+    @staticmethod
+    def forward(ctx, y, group, R, rank):  # noqa: D102
+        ctx.rank, ctx.n = rank, y.shape[-1]
+        return _gather_last(y, group, R)
+
+    @staticmethod
+    def backward(ctx, g):  # noqa: D102
+        return g[..., ctx.rank * ctx.n : (ctx.rank + 1) * ctx.n], None, None, None
+
+
+class _ScatterLastDim(torch.autograd.Function):
+    """``[..., R n]`` (replicated) -> this rank's ``[..., n]``; the gradient: every rank's
+    columns gathered."""
+
+    @staticmethod
+    def forward(ctx, x, group, R, rank):  # noqa: D102
+        ctx.group, ctx.R = group, R
+        n = x.shape[-1] // R
+        return x[..., rank * n : (rank + 1) * n]
+
+    @staticmethod
+    def backward(ctx, g):  # noqa: D102
+        return _gather_last(g, ctx.group, ctx.R), None, None, None
+
+
+class _SumGrad(torch.autograd.Function):
+    """Identity whose gradient is summed over the ranks: a replicated parameter used on this
+    rank's tokens only (the row layer's bias under sequence parallelism)."""
+
+    @staticmethod
+    def forward(ctx, p, group):  # noqa: D102
+        ctx.group = group
+        return p.view_as(p)
+
+    @staticmethod
+    def backward(ctx, g):  # noqa: D102
+        g = g.contiguous()
+        dist.all_reduce(g, group=ctx.group)
+        return g, None
+
+
+class ColumnParallelLinear(nn.Module):
+    """``nn.Linear(in_features, out_features)`` with the output features split over the ranks
+    of ``group`` (``None``: the default group): this rank holds ``weight [out / R, in]`` and
+    ``bias [out / R]`` (rows ``[r out / R, (r + 1) out / R)`` of the whole layer's).
+
+    ``x [..., in]`` -> ``[..., out / R]``, or ``[..., out]`` with ``gather_output``. With
+    ``sequence_parallel`` the input is this rank's tokens ``[T / R, ..., in]`` (module
+    docstring), gathered before the matmul.
+
+    Raises:
+        ValueError: ``out_features`` not divisible by the world size.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        group: dist.ProcessGroup | None = None,
+        gather_output: bool = False,
+        sequence_parallel: bool = False,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.group, self.gather_output = group, gather_output
+        self.sequence_parallel = sequence_parallel
+        self.rank, self.world_size = _rank_size(group)
+        self.in_features, self.out_features = in_features, out_features
+        local = _split(out_features, self.world_size, "out_features")
+        kw = dict(device=device, dtype=dtype)
+        self.weight = nn.Parameter(torch.empty(local, in_features, **kw))
+        self.bias = nn.Parameter(torch.empty(local, **kw)) if bias else None
+        _init(self.weight, self.bias, in_features)
+
+    @classmethod
+    def from_linear(
+        cls, linear: nn.Linear, group: dist.ProcessGroup | None = None, **kw
+    ) -> ColumnParallelLinear:
+        """This rank's shard of ``linear`` (its rows of ``weight`` and ``bias``)."""
+        like = dict(device=linear.weight.device, dtype=linear.weight.dtype)
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None,
+                    group=group, **like, **kw)  # fmt: skip
+        n = layer.weight.shape[0]
+        rows = slice(layer.rank * n, (layer.rank + 1) * n)
+        with torch.no_grad():
+            layer.weight.copy_(linear.weight[rows])
+            if layer.bias is not None:
+                layer.bias.copy_(linear.bias[rows])
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., in]`` (sequence parallel: ``[T / R, ..., in]``) -> ``[..., out / R]``
+        (``gather_output``: ``[..., out]``)."""
+        if self.world_size == 1:
+            return nn.functional.linear(x, self.weight, self.bias)
+        y = _Column.apply(x, self.weight, self.group, self.world_size, self.sequence_parallel)
+        if self.bias is not None:
+            y = y + self.bias
+        if self.gather_output:
+            y = _GatherLastDim.apply(y, self.group, self.world_size, self.rank)
+        return y
+
+
+class RowParallelLinear(nn.Module):
+    """``nn.Linear(in_features, out_features)`` with the input features split over the ranks
+    of ``group``: this rank holds ``weight [out, in / R]`` (columns ``[r in / R, (r + 1) in /
+    R)``) and the whole ``bias [out]``, added once after the ranks' products are summed
+    (overlapped: ``matmul_allreduce``, or ``matmul_reduce_scatter`` with
+    ``sequence_parallel``, where the bias gradient is then summed over the ranks).
+
+    ``x [..., in / R]`` (``input_is_parallel=False``: ``[..., in]``, this rank's columns taken)
+    -> ``[..., out]``, or with ``sequence_parallel`` this rank's tokens ``[T / R, ..., out]``.
+
+    Raises:
+        ValueError: ``in_features`` not divisible by the world size, or (sequence parallel)
+            the tokens not divisible by it.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        group: dist.ProcessGroup | None = None,
+        input_is_parallel: bool = True,
+        sequence_parallel: bool = False,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.group, self.input_is_parallel = group, input_is_parallel
+        self.sequence_parallel = sequence_parallel
+        self.rank, self.world_size = _rank_size(group)
+        self.in_features, self.out_features = in_features, out_features
+        local = _split(in_features, self.world_size, "in_features")
+        kw = dict(device=device, dtype=dtype)
+        self.weight = nn.Parameter(torch.empty(out_features, local, **kw))
+        self.bias = nn.Parameter(torch.empty(out_features, **kw)) if bias else None
+        _init(self.weight, self.bias, in_features)
+
+    @classmethod
+    def from_linear(
+        cls, linear: nn.Linear, group: dist.ProcessGroup | None = None, **kw
+    ) -> RowParallelLinear:
+        """This rank's shard of ``linear`` (its columns of ``weight``; the whole ``bias``)."""
+        like = dict(device=linear.weight.device, dtype=linear.weight.dtype)
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None,
+                    group=group, **like, **kw)  # fmt: skip
+        n = layer.weight.shape[1]
+        with torch.no_grad():
+            layer.weight.copy_(linear.weight[:, layer.rank * n : (layer.rank + 1) * n])
+            if layer.bias is not None:
+                layer.bias.copy_(linear.bias)
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., in / R]`` (or ``[..., in]``) -> ``[..., out]`` (sequence parallel:
+        ``[T / R, ..., out]``)."""
+        if self.world_size == 1:
+            return nn.functional.linear(x, self.weight, self.bias)
+        if not self.input_is_parallel:
+            x = _ScatterLastDim.apply(x, self.group, self.world_size, self.rank)
+        coll = "reduce_scatter" if self.sequence_parallel else "all_reduce"
+        if self.sequence_parallel:
+            _split(x.shape[0], self.world_size, "the input's dim 0 (sequence parallel)")
+        y = matmul_collective(x, self.weight.t(), coll, group=self.group)
+        if self.sequence_parallel:  # [T / R, N] -> this rank's rows of the leading dims
+            y = y.reshape(x.shape[0] // self.world_size, *x.shape[1:-1], y.shape[-1])
+        if self.bias is None:
+            return y
+        # under sequence parallelism each rank adds the bias to its own tokens only, so its
+        # gradient is summed over the ranks (Megatron leaves that to its optimizer step)
+        return y + (_SumGrad.apply(self.bias, self.group) if self.sequence_parallel else self.bias)
+
+
+def _init(weight: nn.Parameter, bias: nn.Parameter | None, fan_in: int) -> None:
+    """``nn.Linear``'s initialization, with the whole layer's fan-in."""
+    bound = 1 / math.sqrt(fan_in) if fan_in > 0 else 0
+    nn.init.uniform_(weight, -bound, bound)
+    if bias is not None:
+        nn.init.uniform_(bias, -bound, bound)

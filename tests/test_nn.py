@@ -1,0 +1,129 @@
+"""``overlap.nn`` on 2 and 4 gloo ranks (the kernels in Triton's interpreter): every layer
+variant's output and gradients (input, weight, bias) against float64 autograd of the unsharded
+``nn.Linear`` it was cut from; world size 1 is ``nn.Linear``; bad sizes raise."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from _dist import mismatch, spawn
+from torch import nn
+
+from overlap.nn import ColumnParallelLinear, RowParallelLinear
+
+TOL = 1e-5
+
+
+def _layer_case(rank, R, seed, kind, kw, lead):
+    """One layer of ``kind`` ("column" or "row") with options ``kw`` on ``x [*lead, in]``
+    (sequence parallel: this rank's ``lead[0] / R`` rows of it); a failure message or None."""
+    g = torch.Generator().manual_seed(seed)
+    fin, fout = (48, 64) if kind == "column" else (64, 40)
+    full = nn.Linear(fin, fout)
+    with torch.no_grad():
+        full.weight.copy_(torch.randn(fout, fin, generator=g))
+        full.bias.copy_(torch.randn(fout, generator=g))
+    x_full = torch.randn(*lead, fin, generator=g)
+    g_full = torch.randn(*lead, fout, generator=g)  # the gradient of the whole output
+
+    # float64 reference: the whole layer
+    ref = nn.Linear(fin, fout).double()
+    ref.load_state_dict(full.state_dict())
+    xr = x_full.double().requires_grad_()
+    yr = ref(xr)
+    (yr * g_full.double()).sum().backward()
+
+    sp = kw.get("sequence_parallel", False)
+    T = lead[0] // R
+    mine = slice(rank * T, (rank + 1) * T)  # this rank's tokens (sequence parallel)
+    if kind == "column":
+        layer = ColumnParallelLinear.from_linear(full, **kw)
+        n = fout // R
+        cols = slice(rank * n, (rank + 1) * n)
+        x = (x_full[mine] if sp else x_full).clone().requires_grad_()
+        y = layer(x)
+        y_ref = yr if kw.get("gather_output") else yr[..., cols]
+        g_mine = g_full if kw.get("gather_output") else g_full[..., cols]
+        w_ref, b_ref = ref.weight.grad[cols], ref.bias.grad[cols]
+        dx_ref = xr.grad[mine] if sp else xr.grad
+    else:
+        layer = RowParallelLinear.from_linear(full, **kw)
+        n = fin // R
+        cols = slice(rank * n, (rank + 1) * n)
+        parallel = kw.get("input_is_parallel", True)
+        x = (x_full[..., cols] if parallel else x_full).clone().requires_grad_()
+        y = layer(x)
+        y_ref = yr[mine] if sp else yr
+        g_mine = g_full[mine] if sp else g_full
+        w_ref, b_ref = ref.weight.grad[:, cols], ref.bias.grad
+        dx_ref = xr.grad[..., cols] if parallel else xr.grad
+    # each rank's loss is its part of <y_full, g_full> (all of it where the output is
+    # replicated): the shards' gradients are then those of the whole layer
+    (y * g_mine).sum().backward()
+    name = f"{kind} {kw} lead={lead} rank={rank}"
+    for what, got, want in (("y", y, y_ref), ("dx", x.grad, dx_ref),
+                            ("dweight", layer.weight.grad, w_ref),
+                            ("dbias", layer.bias.grad, b_ref)):  # fmt: skip
+        if got is None or tuple(got.shape) != tuple(want.shape):
+            return f"{name}: {what} has shape {None if got is None else tuple(got.shape)}, " \
+                f"expected {tuple(want.shape)}"  # fmt: skip
+        why = mismatch(got.detach(), want.detach(), TOL)
+        if why:
+            return f"{name}: {what}: {why}"
+    return None
+
+
+CASES = [
+    ("column", {}),
+    ("column", {"gather_output": True}),
+    ("column", {"sequence_parallel": True}),
+    ("row", {}),
+    ("row", {"input_is_parallel": False}),
+    ("row", {"sequence_parallel": True}),
+]
+
+
+def _layers(rank, R, seed):
+    failures = []
+    for i, (kind, kw) in enumerate(CASES):
+        for j, lead in enumerate(((8 * R, 6), (16 * R,))):  # [s, b] tokens, and 2-D
+            msg = _layer_case(rank, R, seed + 10 * i + j, kind, kw, lead)
+            failures += [msg] if msg else []
+    return failures
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_layers_match_the_unsharded_linear(world_size):
+    spawn(_layers, world_size, random.randrange(1 << 30))
+
+
+def test_world_size_one_is_nn_linear():
+    full = nn.Linear(12, 20)
+    x = torch.randn(3, 5, 12)
+    for cls in (ColumnParallelLinear, RowParallelLinear):
+        layer = cls.from_linear(full)
+        torch.testing.assert_close(layer(x), full(x))
+
+
+def _bad_sizes(rank, R):
+    failures = []
+    for make, what in ((lambda: ColumnParallelLinear(8, 7), "out_features"),
+                       (lambda: RowParallelLinear(7, 8), "in_features")):  # fmt: skip
+        try:
+            make()
+            failures.append(f"{what} not divisible: no error")
+        except ValueError as e:
+            failures += [] if what in str(e) else [f"unclear error: {e}"]
+    layer = RowParallelLinear(8, 8, sequence_parallel=True)
+    try:
+        layer(torch.randn(3, 4))
+        failures.append("3 tokens on 2 ranks: no error")
+    except ValueError as e:
+        failures += [] if "dim 0" in str(e) else [f"unclear error: {e}"]
+    return failures
+
+
+def test_sizes_not_divisible_by_the_world_size():
+    spawn(_bad_sizes, 2)
