@@ -1,4 +1,4 @@
-"""Backward of ``matmul_collective`` (tensor-parallel conventions, ``overlap.ops._Backward``) on
+"""Backward of ``matmul_collective`` (tensor-parallel conventions, ``overlap.ops._backward_op``) on
 2 gloo ranks with the overlapped forward in the interpreter, against float64 autograd over every
 rank's inputs; and the single-process and misuse cases."""
 

@@ -223,10 +223,10 @@ def test_chunk_collectives_restore_the_standard_layout(p, seed):
             recv = None
             if p.collective != "all_reduce" and p.n_col_bands > 1:
                 recv = torch.full((out.numel(),), float("nan"), dtype=torch.float64)
-            p_flat = out.view(-1) if p.collective == "all_reduce" and p.n_col_bands == 1 else flat
-            if p_flat is not flat:
-                p_flat.copy_(flat)
-            _chunks(p, comm.rank(r), p_flat, out, recv, lambda c: None)
+            slots = out.view(-1) if p.collective == "all_reduce" and p.n_col_bands == 1 else flat
+            if slots is not flat:
+                slots.copy_(flat)
+            _chunks(p, comm.rank(r), slots, out, recv, lambda c: None)
             results[r] = out
         except Exception as e:  # pragma: no cover - reported below
             errors.append(repr(e))
