@@ -138,7 +138,45 @@ class _SumGrad(torch.autograd.Function):
         return g, None
 
 
-class ColumnParallelLinear(nn.Module):
+class _Sharded(nn.Module):
+    """What both layers share: the shard of an ``nn.Linear(in_features, out_features)``
+    along ``split_dim`` of its weight (0: output features, 1: input features), the bias
+    sharded with the output features or whole."""
+
+    split_dim = 0
+
+    def __init__(self, in_features, out_features, bias, group, sequence_parallel, device, dtype):
+        super().__init__()
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.rank, self.world_size = _rank_size(group)
+        self.in_features, self.out_features = in_features, out_features
+        shape = [out_features, in_features]
+        what = ("out_features", "in_features")[self.split_dim]
+        shape[self.split_dim] = _split(shape[self.split_dim], self.world_size, what)
+        kw = dict(device=device, dtype=dtype)
+        self.weight = nn.Parameter(torch.empty(*shape, **kw))
+        self.bias = nn.Parameter(torch.empty(shape[0], **kw)) if bias else None
+        _init(self.weight, self.bias, in_features)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group: dist.ProcessGroup | None = None, **kw):
+        """This rank's shard of ``linear``: the column layer takes its rows of ``weight``
+        and ``bias``, the row layer its columns of ``weight`` and the whole ``bias``; ``kw``:
+        the layer's options."""
+        like = dict(device=linear.weight.device, dtype=linear.weight.dtype)
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None,
+                    group=group, **like, **kw)  # fmt: skip
+        n = layer.weight.shape[cls.split_dim]
+        mine = slice(layer.rank * n, (layer.rank + 1) * n)
+        with torch.no_grad():
+            layer.weight.copy_(linear.weight[mine] if cls.split_dim == 0 else
+                               linear.weight[:, mine])  # fmt: skip
+            if layer.bias is not None:
+                layer.bias.copy_(linear.bias[mine] if cls.split_dim == 0 else linear.bias)
+        return layer
+
+
+class ColumnParallelLinear(_Sharded):
     """``nn.Linear(in_features, out_features)`` with the output features split over the ranks
     of ``group`` (``None``: the default group): this rank holds ``weight [out / R, in]`` and
     ``bias [out / R]`` (rows ``[r out / R, (r + 1) out / R)`` of the whole layer's).
@@ -163,32 +201,8 @@ class ColumnParallelLinear(nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        super().__init__()
-        self.group, self.gather_output = group, gather_output
-        self.sequence_parallel = sequence_parallel
-        self.rank, self.world_size = _rank_size(group)
-        self.in_features, self.out_features = in_features, out_features
-        local = _split(out_features, self.world_size, "out_features")
-        kw = dict(device=device, dtype=dtype)
-        self.weight = nn.Parameter(torch.empty(local, in_features, **kw))
-        self.bias = nn.Parameter(torch.empty(local, **kw)) if bias else None
-        _init(self.weight, self.bias, in_features)
-
-    @classmethod
-    def from_linear(
-        cls, linear: nn.Linear, group: dist.ProcessGroup | None = None, **kw
-    ) -> ColumnParallelLinear:
-        """This rank's shard of ``linear`` (its rows of ``weight`` and ``bias``)."""
-        like = dict(device=linear.weight.device, dtype=linear.weight.dtype)
-        layer = cls(linear.in_features, linear.out_features, linear.bias is not None,
-                    group=group, **like, **kw)  # fmt: skip
-        n = layer.weight.shape[0]
-        rows = slice(layer.rank * n, (layer.rank + 1) * n)
-        with torch.no_grad():
-            layer.weight.copy_(linear.weight[rows])
-            if layer.bias is not None:
-                layer.bias.copy_(linear.bias[rows])
-        return layer
+        super().__init__(in_features, out_features, bias, group, sequence_parallel, device, dtype)
+        self.gather_output = gather_output
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., in]`` (sequence parallel: ``[T / R, ..., in]``) -> ``[..., out / R]``
@@ -203,7 +217,7 @@ class ColumnParallelLinear(nn.Module):
         return y
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_Sharded):
     """``nn.Linear(in_features, out_features)`` with the input features split over the ranks
     of ``group``: this rank holds ``weight [out, in / R]`` (columns ``[r in / R, (r + 1) in /
     R)``) and the whole ``bias [out]``, added once after the ranks' products are summed
@@ -218,6 +232,8 @@ class RowParallelLinear(nn.Module):
             the tokens not divisible by it.
     """
 
+    split_dim = 1
+
     def __init__(
         self,
         in_features: int,
@@ -230,31 +246,8 @@ class RowParallelLinear(nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        super().__init__()
-        self.group, self.input_is_parallel = group, input_is_parallel
-        self.sequence_parallel = sequence_parallel
-        self.rank, self.world_size = _rank_size(group)
-        self.in_features, self.out_features = in_features, out_features
-        local = _split(in_features, self.world_size, "in_features")
-        kw = dict(device=device, dtype=dtype)
-        self.weight = nn.Parameter(torch.empty(out_features, local, **kw))
-        self.bias = nn.Parameter(torch.empty(out_features, **kw)) if bias else None
-        _init(self.weight, self.bias, in_features)
-
-    @classmethod
-    def from_linear(
-        cls, linear: nn.Linear, group: dist.ProcessGroup | None = None, **kw
-    ) -> RowParallelLinear:
-        """This rank's shard of ``linear`` (its columns of ``weight``; the whole ``bias``)."""
-        like = dict(device=linear.weight.device, dtype=linear.weight.dtype)
-        layer = cls(linear.in_features, linear.out_features, linear.bias is not None,
-                    group=group, **like, **kw)  # fmt: skip
-        n = layer.weight.shape[1]
-        with torch.no_grad():
-            layer.weight.copy_(linear.weight[:, layer.rank * n : (layer.rank + 1) * n])
-            if layer.bias is not None:
-                layer.bias.copy_(linear.bias)
-        return layer
+        super().__init__(in_features, out_features, bias, group, sequence_parallel, device, dtype)
+        self.input_is_parallel = input_is_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., in / R]`` (or ``[..., in]``) -> ``[..., out]`` (sequence parallel:
