@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .ops import matmul_collective
+from .ops import check_group, matmul_collective
 
 
 def _rank_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
@@ -147,6 +147,7 @@ class _Sharded(nn.Module):
 
     def __init__(self, in_features, out_features, bias, group, sequence_parallel, device, dtype):
         super().__init__()
+        check_group(group)
         self.group, self.sequence_parallel = group, sequence_parallel
         self.rank, self.world_size = _rank_size(group)
         self.in_features, self.out_features = in_features, out_features

@@ -62,14 +62,19 @@ def _world(group: dist.ProcessGroup | None) -> int:
     return dist.get_world_size(group)
 
 
+def check_group(group) -> None:
+    """Raises TypeError naming ``group`` unless it is a process group or None."""
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group must be a torch.distributed.ProcessGroup or None, got "
+                        f"{type(group).__name__}")  # fmt: skip
+
+
 def _check(x: torch.Tensor, w: torch.Tensor, name: str, op: str, backend: str, group) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if not isinstance(w, torch.Tensor):
         raise TypeError(f"w must be a torch.Tensor, got {type(w).__name__}")
-    if group is not None and not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"group must be a torch.distributed.ProcessGroup or None, got "
-                        f"{type(group).__name__}")  # fmt: skip
+    check_group(group)
     spec = collective(name)
     if op not in OPS:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")

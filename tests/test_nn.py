@@ -107,6 +107,12 @@ def test_world_size_one_is_nn_linear():
         torch.testing.assert_close(layer(x), full(x))
 
 
+def test_group_of_the_wrong_type():
+    for cls in (ColumnParallelLinear, RowParallelLinear):
+        with pytest.raises(TypeError, match="group must be"):
+            cls(8, 8, group="tp")
+
+
 def _bad_sizes(rank, R):
     failures = []
     for make, what in ((lambda: ColumnParallelLinear(8, 7), "out_features"),
