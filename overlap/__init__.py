@@ -14,7 +14,14 @@ from . import nn
 from .collectives import COLLECTIVES, OPS
 from .context import release
 from .guard import RankMismatchError, configure
-from .ops import matmul_all_to_all, matmul_allreduce, matmul_collective, matmul_reduce_scatter, plan
+from .ops import (
+    all_gather_matmul,
+    matmul_all_to_all,
+    matmul_allreduce,
+    matmul_collective,
+    matmul_reduce_scatter,
+    plan,
+)
 from .plan import Plan
 from .tuner import Tuned, tune
 
@@ -24,6 +31,7 @@ __all__ = [
     "Plan",
     "RankMismatchError",
     "Tuned",
+    "all_gather_matmul",
     "configure",
     "matmul_all_to_all",
     "matmul_allreduce",

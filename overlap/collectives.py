@@ -4,17 +4,22 @@ Code asks a ``Collective`` for what it needs (does it reduce? which rows does a 
 instead of comparing names. Pure Python at import time, so ``overlap.plan`` can use it;
 the torch equivalents import ``torch.distributed`` when called.
 
-==============  ==========  ============  ==========================  =========================
-name            direction   result rows   plain torch                 backward of the product
-==============  ==========  ============  ==========================  =========================
-all_reduce      after       ``M``         ``all_reduce(y)``           ``g`` (identity)
-reduce_scatter  after       ``M / R``     ``reduce_scatter_tensor``   all-gather of every ``g``
-all_to_all      after       ``M``         ``all_to_all_single``       the inverse all-to-all
-==============  ==========  ============  ==========================  =========================
+==============  ==========  ============  ==========================  ========================
+name            direction   result rows   plain torch                 input gradient
+==============  ==========  ============  ==========================  ========================
+all_reduce      after       ``M``         ``all_reduce(y)``           ``g @ w^T`` (no comm)
+reduce_scatter  after       ``M / R``     ``reduce_scatter_tensor``   all-gather + matmul
+all_to_all      after       ``M``         ``all_to_all_single``       inverse all-to-all, then
+                                                                      ``@ w^T`` (plain)
+all_gather      before      ``R M``       ``all_gather_into_tensor``  matmul + reduce-scatter
+                                          of ``x``, then ``@ w``
+==============  ==========  ============  ==========================  ========================
 
-``direction`` says where the collective runs relative to the kernel: ``AFTER`` moves the
-kernel's product (the producer signals finished chunks); a collective *before* the kernel
-(all-gather + matmul) would move its input instead, the consumer waiting per chunk.
+``direction`` says where the collective runs relative to the matmul: ``AFTER`` moves the
+kernel's product (the producer signals finished chunks); ``BEFORE`` moves its input (the
+rows of a chunk are multiplied once they have arrived). For a ``BEFORE`` collective ``M`` is
+the gathered rows, ``R`` times the shard's. ``dual``: the collective whose overlapped matmul
+computes the input gradient ``g @ w^T`` (tensor parallelism's mirror pairs), or None.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ if TYPE_CHECKING:
     import torch
     import torch.distributed as dist
 
-AFTER = "after"
+AFTER, BEFORE = "after", "before"
 OPS = ("sum", "avg")
 
 
@@ -37,13 +42,20 @@ class Collective:
 
     ``reduces``: the ranks' products are summed (``op="avg"`` allowed). ``splits_rows``:
     row block ``j`` (``M / R`` rows) of every rank's product belongs to rank ``j``, so
-    ``M`` must be divisible by ``R`` and a chunk's rows form one run per rank.
+    ``M`` must be divisible by ``R`` and a chunk's rows form one run per rank (for the
+    all-gather: rank ``j``'s shard is row block ``j`` of the gathered input).
     """
 
     name: str
     direction: str
     reduces: bool
     splits_rows: bool
+    dual: str | None = None
+
+    @property
+    def before(self) -> bool:
+        """The collective moves the matmul's input (all-gather), not its product."""
+        return self.direction == BEFORE
 
     @property
     def replicated(self) -> bool:
@@ -57,17 +69,23 @@ class Collective:
 
     def result_shape(self, x_shape: tuple[int, ...], N: int, R: int) -> tuple[int, ...]:
         """The result's shape for ``x [..., K]`` and ``N`` columns: ``[M / R, N]`` when it
-        scatters, else ``[..., N]``."""
+        scatters, ``[R M, N]`` when it gathers the input ``x`` (leading dims flattened),
+        else ``[..., N]``."""
         if self.scatters:
             return (math.prod(x_shape[:-1]) // R, N)
+        if self.before:
+            return (math.prod(x_shape[:-1]) * R, N)
         return (*x_shape[:-1], N)
 
     def plain(self, y: torch.Tensor, out: torch.Tensor, group: dist.ProcessGroup | None) -> None:
         """The torch collective of a product ``y [M, N]`` into ``out`` (the result;
-        the all-reduce runs in place, so ``out`` is ``y`` there)."""
+        the all-reduce runs in place, so ``out`` is ``y`` there); for the all-gather, of the
+        input shard ``y [M / R, K]`` into ``out [M, K]``."""
         import torch.distributed as dist
 
-        if self.replicated:
+        if self.before:
+            dist.all_gather_into_tensor(out, y, group=group)
+        elif self.replicated:
             dist.all_reduce(y, group=group)
         elif self.reduces:
             dist.reduce_scatter_tensor(out, y, group=group)
@@ -76,19 +94,17 @@ class Collective:
 
     def backward(self, g: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
         """Gradient of this rank's product ``[M, N]`` from the gradient ``g`` of its result
-        (contiguous, 2-D), with tensor parallelism's conventions: the
-        replicated all-reduce result has a replicated gradient, so the product gets ``g``;
-        reduce-scatter's product gets every rank's ``g`` gathered; all-to-all's the inverse
-        exchange, which is again an all-to-all."""
+        (contiguous, 2-D), with tensor parallelism's conventions, where no ``dual`` op
+        computes the input gradient: the replicated all-reduce result (and the all-gather's
+        product) has a replicated gradient, so the product gets ``g``; all-to-all's gets the
+        inverse exchange, which is again an all-to-all."""
         import torch
         import torch.distributed as dist
 
-        if self.replicated:
+        if self.replicated or self.before:
             return g
-        if self.reduces:
-            gp = g.new_empty(g.shape[0] * dist.get_world_size(group), g.shape[1])
-            dist.all_gather_into_tensor(gp, g, group=group)
-            return gp
+        if self.dual is not None:
+            raise ValueError(f"{self.name}: the input gradient is {self.dual} + matmul")
         gp = torch.empty_like(g)
         dist.all_to_all_single(gp, g, group=group)
         return gp
@@ -98,11 +114,14 @@ _TABLE = {
     c.name: c
     for c in (
         Collective("all_reduce", AFTER, reduces=True, splits_rows=False),
-        Collective("reduce_scatter", AFTER, reduces=True, splits_rows=True),
+        Collective("reduce_scatter", AFTER, reduces=True, splits_rows=True, dual="all_gather"),
         Collective("all_to_all", AFTER, reduces=False, splits_rows=True),
+        Collective("all_gather", BEFORE, reduces=False, splits_rows=True, dual="reduce_scatter"),
     )
 }
-COLLECTIVES = tuple(_TABLE)
+# what matmul_collective takes (the matmul, then the collective); the all-gather is
+# all_gather_matmul's
+COLLECTIVES = tuple(n for n, c in _TABLE.items() if not c.before)
 
 
 def collective(name: str) -> Collective:

@@ -69,7 +69,8 @@ def check_group(group) -> None:
                         f"{type(group).__name__}")  # fmt: skip
 
 
-def _check(x: torch.Tensor, w: torch.Tensor, name: str, op: str, backend: str, group) -> None:
+def _check(x: torch.Tensor, w: torch.Tensor, name: str, op: str, backend: str, group):
+    """Raises on invalid arguments of a call; returns the collective's table entry."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if not isinstance(w, torch.Tensor):
@@ -96,6 +97,7 @@ def _check(x: torch.Tensor, w: torch.Tensor, name: str, op: str, backend: str, g
         raise ValueError(
             f"K mismatch: x is {tuple(x.shape)} ([..., K]), w is {tuple(w.shape)} ([K, N])"
         )
+    return spec
 
 
 def plan(
@@ -115,8 +117,9 @@ def plan(
     copy engines have (a collective): every rank of ``group`` calls it then.
 
     Args:
-        x: ``[..., K]``. w: ``[K, N]``. collective, group, chunks, backend: as in
-            ``matmul_collective``.
+        x: ``[..., K]`` (for ``"all_gather"``: this rank's shard). w: ``[K, N]``.
+            collective, group, chunks, backend: as in ``matmul_collective`` (and
+            ``"all_gather"``: ``all_gather_matmul``'s plan).
 
     Raises:
         ValueError, TypeError: on invalid arguments (the same checks as the call).
@@ -127,8 +130,9 @@ def plan(
 
 def _plan_for(x, w, name, group, chunks, backend, capturing) -> tuple[Plan, Context | None]:
     """The plan of a checked call, and its context (None at world size 1)."""
-    M, K, N = math.prod(x.shape[:-1]), x.shape[-1], w.shape[1]
     R, bits = _world(group), x.element_size() * 8
+    before = collective(name).before  # x is a shard of the all-gather's M rows
+    M, K, N = math.prod(x.shape[:-1]) * (R if before else 1), x.shape[-1], w.shape[1]
     if R == 1:
         return make_plan(
             M, N, K, world_size=1, collective=name, dtype_bits=bits, chunks=chunks
@@ -155,7 +159,7 @@ def _plan_for(x, w, name, group, chunks, backend, capturing) -> tuple[Plan, Cont
         num_sms=_num_sms(x.device), chunks=chunks, blocked=Context.blocked(transport),
         transport=transport,
     )  # fmt: skip
-    if p.path == "overlap" and not x.is_cuda:
+    if p.path == "overlap" and not x.is_cuda and not before:  # (the all-gather runs no kernel)
         if not _interpreter():
             why = "CPU tensors and TRITON_INTERPRET is not 1"
         elif x.dtype == torch.bfloat16:
@@ -234,7 +238,9 @@ def matmul_collective(
         TimeoutError: (validation mode) a rank did not arrive, or the call's collectives did
             not finish, within ``overlap.configure``'s timeout.
     """
-    _check(x, w, collective, op, backend, group)
+    if _check(x, w, collective, op, backend, group).before:
+        raise ValueError(f"collective={collective!r} gathers x before the matmul: call "
+                         "overlap.all_gather_matmul")  # fmt: skip
     grad = torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)
     if grad or torch.compiler.is_compiling():
         # the registered op: opaque to torch.compile, its backward registered with autograd
@@ -338,6 +344,117 @@ def overlapped(
             guard.watch(s, transport.abort, p.describe())
 
 
+def all_gather_matmul(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    return_gathered: bool = False,
+    out: torch.Tensor | None = None,
+    backend: str = "auto",
+    chunks: int | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``dist.all_gather_into_tensor(x_full, x); x_full @ w``, overlapped chunk by chunk.
+
+    This rank's own shard is multiplied first; every chunk of the other shards is multiplied
+    as soon as it has arrived (a stream wait per chunk, then one matmul per shard's rows of
+    it). The chunks travel through NCCL (one all-gather per chunk: any GPUs, across hosts,
+    CUDA graphs) or the copy engines (``backend``; GPU to GPU, or through pinned host memory
+    without P2P).
+
+    Args:
+        x: this rank's shard ``[..., K]`` (leading dims flattened into ``m`` rows; every rank
+            the same ``m``), fp16, bf16 or fp32.
+        w: ``[K, N]``, same dtype and device, any strides (``linear.weight.t()`` is fine).
+        group, backend, chunks: as in ``matmul_collective``.
+        return_gathered: also return ``x_full`` (the weight gradient needs it).
+        out: optional contiguous ``[R m, N]`` result.
+
+    Returns:
+        ``[R m, N]``, rows ``[r m, (r + 1) m)`` from rank ``r``'s shard; with
+        ``return_gathered``, ``(result, x_full [R m, K])``. Differentiable with tensor
+        parallelism's conventions (``x``'s gradient is the reduce-scatter of
+        ``g @ w^T``, overlapped: ``matmul_reduce_scatter``); usable under ``torch.compile``
+        (the custom op ``overlap::all_gather_matmul``).
+
+    Raises:
+        TypeError, ValueError: as ``matmul_collective``'s.
+        overlap.RankMismatchError: (validation mode) the ranks' calls differ, shards of
+            different sizes included.
+        TimeoutError: (validation mode) as ``matmul_collective``'s.
+    """
+    _check(x, w, "all_gather", "sum", backend, group)
+    grad = torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)
+    if grad or torch.compiler.is_compiling():
+        if out is not None:
+            why = "autograd (x or w requires grad)" if grad else "torch.compile"
+            raise ValueError(f"out= does not support {why}")
+        gname = "" if group is None else group.group_name
+        keep = return_gathered or grad
+        y, full = torch.ops.overlap.all_gather_matmul(x, w, gname, backend, chunks, keep)
+        return (y, full) if return_gathered else y
+    y, full = _gather_forward(x, w, group, out, backend, chunks, return_gathered)
+    return (y, full) if return_gathered else y
+
+
+def _gather_forward(x, w, group, out, backend, chunks, keep) -> tuple[torch.Tensor, torch.Tensor]:
+    """``all_gather_matmul`` of checked arguments, without autograd: ``(out, x_full)``, the
+    second ``[R m, K]`` when ``keep`` else empty."""
+    capturing = _capturing(x)
+    p, ctx = _plan_for(x, w, "all_gather", group, chunks, backend, capturing)
+    M, N, K, R = p.M, p.N, p.K, p.world_size
+    if out is None:
+        out = x.new_empty(M, N)
+    else:
+        _check_out(out, (M, N), x)
+    x2 = x.reshape(M // R, K)
+    validating = ctx is not None and guard.validating()
+    if validating:
+        guard.agree(group, guard.fingerprint(p, x.dtype, "sum"), p.describe())
+    if p.path != "overlap":
+        full = x2
+        if R > 1:
+            full = x.new_empty(M, K)
+            p.spec.plain(x2.contiguous(), full, group)
+        torch.matmul(full, w, out=out)
+        if validating and x.is_cuda and not capturing:
+            stream = torch.cuda.current_stream(x.device)
+            guard.watch(stream, ctx.transport("torch").abort, p.describe())
+        return out, (full if keep else x.new_empty(0))
+    transport = ctx.transport(p.transport)
+    rank, m = dist.get_rank(group), M // R
+    s = ctx.comm_stream
+    other_device = x.is_cuda and x.device.index != torch.cuda.current_device()
+    with torch.cuda.device(x.device) if other_device else contextlib.nullcontext():
+        caller = None
+        if s is not None:
+            caller = torch.cuda.current_stream(x.device)
+            s.wait_stream(caller)  # the shard is ready before `s` reads it
+        try:
+            buf = transport.gather(p, x2.contiguous(), s)
+            torch.matmul(x2, w, out=out[rank * m : (rank + 1) * m])  # own rows: no wait
+            done = -1
+            for c, row, xr, h in p.pieces:
+                if xr // m == rank:
+                    continue
+                if c != done:
+                    transport.arrived(p, c, caller)
+                    done = c
+                torch.matmul(buf[row : row + h], w, out=out[xr : xr + h])
+            full = x.new_empty(M, K) if keep else x.new_empty(0)
+            if keep:  # the standard layout (the buffer is reused by the next call)
+                full[rank * m : (rank + 1) * m] = x2
+                for _, row, xr, h in p.pieces:
+                    if xr // m != rank:
+                        full[xr : xr + h] = buf[row : row + h]
+        finally:
+            if s is not None:
+                caller.wait_stream(s)  # as in `overlapped`
+        if guard.validating() and not capturing:
+            guard.watch(s, transport.abort, p.describe())
+    return out, full
+
+
 # The ops as torch custom ops: torch.compile(fullgraph=True) keeps them whole (Dynamo cannot
 # trace the library's Python: locks, driver calls), and autograd runs the registered backward.
 # A group travels as its name ("" for None); the ops resolve it in Python, outside tracing.
@@ -362,30 +479,78 @@ def _(x, w, collective_name, group, op, backend, chunks):
     return x.new_empty(collective(collective_name).result_shape(tuple(x.shape), w.shape[1], R))
 
 
+@torch.library.custom_op("overlap::all_gather_matmul", mutates_args=())
+def _all_gather_matmul_op(
+    x: torch.Tensor, w: torch.Tensor, group: str, backend: str, chunks: int | None, keep: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``all_gather_matmul`` as a custom op: ``(result, x_full)`` (``x_full`` empty unless
+    ``keep``); ``group``: the group's name, "" for None."""
+    return _gather_forward(x, w, _group(group), None, backend, chunks, keep)
+
+
+@_all_gather_matmul_op.register_fake
+def _(x, w, group, backend, chunks, keep):
+    M = math.prod(x.shape[:-1]) * _world(_group(group))
+    return x.new_empty(M, w.shape[1]), x.new_empty((M, x.shape[-1]) if keep else 0)
+
+
 @torch.library.custom_op("overlap::matmul_collective_backward", mutates_args=())
 def _backward_op(
     g: torch.Tensor, x: torch.Tensor, w: torch.Tensor, collective_name: str, group: str, op: str,
-    need_dx: bool, need_dw: bool,
+    need_dx: bool, need_dw: bool, g_x: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """``(dx, dw)`` of ``matmul_collective`` (empty where not needed), with the conventions of
-    tensor parallelism (Megatron's): the gradient of this rank's product is
-    ``Collective.backward`` of the result's gradient ``g`` (``overlap/collectives.py``),
-    scaled by ``1 / R`` for ``op="avg"``; then ``dx = g_P @ w^T`` and ``dw = x^T @ g_P``.
-    Plain torch ops (collective, then two matmuls): not overlapped."""
+    """``(dx [.., K], dw [K, N])`` of ``matmul_collective`` or ``all_gather_matmul`` (empty
+    where not needed), with tensor parallelism's conventions (Megatron's), from the
+    result's gradient ``g``. ``x``: the forward's input (the all-gather's: ``x_full``, and
+    ``dx`` is then this rank's ``[m, K]``); ``g_x``: the gradient of ``x_full`` where the
+    caller used it, else None.
+
+    Where the collective has a ``dual`` (``overlap/collectives.py``), ``dx`` is the dual's
+    overlapped matmul of ``g`` and ``w^T``: reduce-scatter's is ``all_gather_matmul(g, w^T)``,
+    whose gathered ``g`` gives ``dw = x^T g_full``; the all-gather's is
+    ``matmul_reduce_scatter(g, w^T)`` (plus the reduce-scatter of ``g_x``). Otherwise the
+    product's gradient is ``Collective.backward(g)`` (plain), then ``dx = g_P w^T``,
+    ``dw = x^T g_P``. ``op="avg"`` scales ``g`` by ``1 / R`` first."""
     pg = _group(group)
     R = _world(pg)
+    spec = collective(collective_name)
     g2 = g.reshape(-1, w.shape[1]).contiguous()
-    gp = collective(collective_name).backward(g2, pg) if R > 1 else g2
+    x2 = x.reshape(-1, x.shape[-1])
     if op == "avg" and R > 1:
-        gp = gp / R
-    dx = (gp @ w.t()).reshape(x.shape) if need_dx else x.new_empty(0)
-    dw = x.reshape(-1, x.shape[-1]).t() @ gp if need_dw else w.new_empty(0)
+        g2 = g2 / R
+    dx = x.new_empty(0)
+    if R == 1:
+        gp = g2
+    elif spec.before:  # x is x_full: dx is this rank's rows of the reduce-scattered sum
+        gp = g2
+        if need_dx:
+            dx = _forward(g2, w.t(), spec.dual, pg, "sum", None, "auto", None)
+            if g_x is not None:  # x_full was used: its gradient, reduce-scattered (plain)
+                part = torch.empty_like(dx)
+                collective(spec.dual).plain(g_x.contiguous(), part, pg)
+                dx += part
+        need_dx = False
+    elif spec.dual is not None:  # reduce-scatter: dx = all_gather_matmul(g, w^T)
+        if need_dx:
+            dx, gp = _gather_forward(g2, w.t(), pg, None, "auto", None, need_dw)
+        else:
+            gp = g2.new_empty(g2.shape[0] * R, g2.shape[1])
+            collective(spec.dual).plain(g2, gp, pg)
+        dx, need_dx = dx.reshape(x.shape), False
+    else:
+        gp = spec.backward(g2, pg)
+    if need_dx:
+        dx = (gp @ w.t()).reshape(x.shape)
+    dw = x2.t() @ gp if need_dw else w.new_empty(0)
     return dx, dw
 
 
 @_backward_op.register_fake
-def _(g, x, w, collective_name, group, op, need_dx, need_dw):
-    return (x.new_empty(x.shape if need_dx else 0), w.new_empty(w.shape if need_dw else 0))
+def _(g, x, w, collective_name, group, op, need_dx, need_dw, g_x):
+    dx_shape = x.shape
+    if collective(collective_name).before:
+        dx_shape = (x.shape[0] // _world(_group(group)), x.shape[1])
+    return (x.new_empty(dx_shape if need_dx else 0), w.new_empty(w.shape if need_dw else 0))
 
 
 def _setup(ctx, inputs, output) -> None:
@@ -396,11 +561,33 @@ def _setup(ctx, inputs, output) -> None:
 def _backward(ctx, g):
     x, w = ctx.saved_tensors
     need_dx, need_dw = ctx.needs_input_grad[:2]
-    dx, dw = _backward_op(g, x, w, ctx.collective, ctx.group, ctx.op, need_dx, need_dw)
+    dx, dw = _backward_op(g, x, w, ctx.collective, ctx.group, ctx.op, need_dx, need_dw, None)
     return dx if need_dx else None, dw if need_dw else None, None, None, None, None, None
 
 
 _matmul_collective_op.register_autograd(_backward, setup_context=_setup)
+
+
+def _gather_setup(ctx, inputs, output) -> None:
+    x, w, ctx.group = inputs[:3]
+    ctx.shape = x.shape
+    ctx.save_for_backward(output[1], w)
+    ctx.set_materialize_grads(False)  # an unused x_full gets no gradient (None)
+
+
+def _gather_backward(ctx, g, g_full):
+    full, w = ctx.saved_tensors
+    need_dx, need_dw = ctx.needs_input_grad[:2]
+    if g is None:
+        g = full.new_zeros(full.shape[0], w.shape[1])
+    if g_full is not None and g_full.numel() == 0:
+        g_full = None
+    dx, dw = _backward_op(g, full, w, "all_gather", ctx.group, "sum", need_dx, need_dw, g_full)
+    return (dx.reshape(ctx.shape) if need_dx else None, dw if need_dw else None,
+            None, None, None, None)  # fmt: skip
+
+
+_all_gather_matmul_op.register_autograd(_gather_backward, setup_context=_gather_setup)
 
 
 def _plain(

@@ -189,6 +189,23 @@ class Plan:
         r, i = divmod(q, self.band_run_rows(a))
         return r * self.rank_block_rows + a * self.run_rows + i
 
+    @functools.cached_property
+    def pieces(self) -> tuple[tuple[int, int, int, int], ...]:
+        """All-gather plans: ``(chunk, slot_row, x_row, rows)`` per run of every chunk, in the
+        order the consumer multiplies them: slot rows ``[slot_row, slot_row + rows)`` of the
+        gathered buffer are rows ``[x_row, x_row + rows)`` of the gathered input (and of the
+        result), and come from rank ``x_row // (M / R)``. Blocked plans (the copy engines)
+        keep the standard layout, band ``k`` of every rank before band ``k + 1``."""
+        if self.blocked:
+            b, h = self.bands_per_block, self.run_rows
+            return tuple((s * b + k, (s * b + k) * h, (s * b + k) * h, h)
+                         for k in range(b) for s in range(self.world_size))  # fmt: skip
+        out = []
+        for c in range(self.n_chunks):
+            row0, h = self.chunk_slot(c)[3], self.band_run_rows(c)
+            out += [(c, row0 + j * h, self.x_row(row0 + j * h), h) for j in range(self.runs)]
+        return tuple(out)
+
     def describe(self) -> str:
         """One line: the path, the transport, the chunks and tiles, and why."""
         if self.path != "overlap":
@@ -275,10 +292,13 @@ def make_plan(
     units = math.ceil(M // runs / t.block_m)  # tile rows per run if there were one band
     run_rows = math.ceil(units / min(chunks, units)) * t.block_m
     row_bands = math.ceil(M // runs / run_rows)
-    if blocked:
-        return _blocked_plan(M, N, K, R, spec, t, row_bands, transport)
+    if blocked:  # (the all-gather's row bands count per shard)
+        bands = row_bands * R if spec.before else row_bands
+        return _blocked_plan(M, N, K, R, spec, t, bands, transport)
     chunk_cols = tn * t.block_n
-    if row_bands < 2:
+    if row_bands < 2 and spec.before:
+        run_rows = M // runs  # one band: the shards travel while this rank's own is multiplied
+    elif row_bands < 2:
         # Too few rows to split: one row band of all M rows, split along N (decode shapes).
         if tn < 2:
             return _fallback(

@@ -214,7 +214,7 @@ class _Sim:
         running: dict[str, str] = {}  # caller stream -> its kernel's thread name
         idle_rounds = 0
         while True:
-            progress = self._advance(done, running)
+            progress = self._advance(done, running, ahead)
             for r in range(ranks):
                 name = f"caller{r}"
                 for _ in range(16 if r == ahead else 1):
@@ -225,7 +225,7 @@ class _Sim:
                     if kind == "done":
                         del running[name]
                         done[name] += 1
-                    progress |= self._advance(done, running)
+                    progress |= self._advance(done, running, ahead)
             if all(done[n] == len(o) for n, o in self.ops.items()):
                 return
             idle_rounds = 0 if progress else idle_rounds + 1
@@ -233,13 +233,17 @@ class _Sim:
                 stuck = {n: o[done[n]] for n, o in self.ops.items() if done[n] < len(o)}
                 raise AssertionError(f"deadlock: {stuck}")
 
-    def _advance(self, done, running) -> bool:
-        """Run ops of every stream while their waits are met; start kernels reached."""
+    def _advance(self, done, running, ahead: int | None = None) -> bool:
+        """Run ops of every stream while their waits are met, a few at a time per stream in
+        turn: one copy or write (16 for the streams of rank ``ahead``), any number of met
+        waits, so that a flag written before its copy is seen before the copy lands and a
+        fast rank can overwrite what a slow one has yet to read. Start kernels reached."""
         ran, progress = False, True
         while progress:
             progress = False
             for name, ops in self.ops.items():
-                while done[name] < len(ops) and name not in running:
+                budget = 16 if ahead is not None and name.endswith(str(ahead)) else 1
+                while budget and done[name] < len(ops) and name not in running:
                     op = ops[done[name]]
                     if op[0] == "kernel":
                         thread = f"{name}.{done[name]}"
@@ -250,6 +254,7 @@ class _Sim:
                         break
                     done[name] += 1
                     ran = progress = True
+                    budget -= op[0] not in ("wait", "after", "counter")
         return ran
 
     @staticmethod
@@ -265,6 +270,8 @@ class _Sim:
             return done[op[1]] >= op[2]
         elif kind == "counter":
             return reached(int(op[1]) & 0xFFFFFFFF, op[2])
+        elif kind == "call":  # a matmul of the all-gather's consumer
+            op[1]()
         return True
 
 
@@ -367,3 +374,60 @@ def test_protocol_with_the_real_kernel(kind, collective, R, M, N, chunks, ahead,
             assert not torch.isnan(outs[r]).any(), f"call {i} rank {r}: unwritten rows"
             ref = _reference(p, xs, ws, r)
             torch.testing.assert_close(outs[r].double(), ref, rtol=1e-5, atol=1e-4)
+
+
+def _issue_gather(sim, rank, t, p, x, w, out, caller, comm):
+    """What ``overlap.ops._gather_forward`` does for one call, on simulated streams: the own
+    rows first, then each piece after ``arrived`` for its chunk."""
+    m = p.M // p.world_size
+    comm.wait_stream(caller)
+    buf = t.gather(p, x, comm)
+    sim.ops[caller.cuda_stream].append(("call", lambda: out[rank * m : (rank + 1) * m].copy_(x @ w)))
+    done = -1
+    for c, row, xr, h in p.pieces:
+        if xr // m == rank:
+            continue
+        if c != done:
+            t.arrived(p, c, caller)
+            done = c
+        piece = lambda row=row, xr=xr, h=h: out[xr : xr + h].copy_(buf[row : row + h] @ w)  # noqa: E731
+        sim.ops[caller.cuda_stream].append(("call", piece))
+    caller.wait_stream(comm)
+
+
+@pytest.mark.parametrize("kind", ["peer", "host"])
+@pytest.mark.parametrize(("R", "m", "chunks", "ahead"), [(2, 64, 4, 0), (2, 48, 2, 1), (3, 64, 6, 2)])
+def test_all_gather_protocol(kind, R, m, chunks, ahead, monkeypatch):
+    """The all-gather through the copy engines: two calls in flight on every rank, a rank
+    running ahead; every result row against float64 (a row read before its band arrived, or
+    after the next call overwrote it, would differ)."""
+    kernels = _Kernels(monkeypatch)  # (no kernel runs: the consumer's matmuls are "call"s)
+    sim = _Sim(kernels)
+    fake = _Driver(sim)
+    monkeypatch.setattr(peer_mod, "_driver", lambda: fake)
+    monkeypatch.setattr(host_mod, "_driver", lambda: fake)
+    g = torch.Generator().manual_seed(R * 100 + m)
+    K, N, M = 24, 20, R * m
+    ts = _transports(kind, R, sim, start_epoch=(1 << 32) - 2)
+    p = make_plan(M, N, K, world_size=R, collective="all_gather", dtype_bits=32, interpreter=True,
+                  chunks=chunks, blocked=True, transport="ce")  # fmt: skip
+    assert p.path == "overlap" and p.bands_per_block >= 2, p.describe()
+    callers = [_Stream(sim, f"caller{r}") for r in range(R)]
+    comms = [_Stream(sim, f"comm{r}") for r in range(R)]
+    calls = []
+    try:
+        for _ in range(2):
+            xs = [torch.randn(m, K, generator=g) for _ in range(R)]
+            ws = [torch.randn(K, N, generator=g) for _ in range(R)]
+            outs = [torch.full((M, N), float("nan")) for _ in range(R)]
+            for r, t in enumerate(ts):
+                _issue_gather(sim, r, t, p, xs[r], ws[r], outs[r], callers[r], comms[r])
+            calls.append((xs, ws, outs))
+        sim.run(R, ahead)
+    finally:
+        kernels.close()
+    for i, (xs, ws, outs) in enumerate(calls):
+        full = torch.cat(xs).double()
+        for r in range(R):
+            assert not torch.isnan(outs[r]).any(), f"call {i} rank {r}: unwritten rows"
+            torch.testing.assert_close(outs[r].double(), full @ ws[r].double(), rtol=1e-5, atol=1e-5)

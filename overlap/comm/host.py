@@ -111,13 +111,37 @@ class HostTransport(PeerTransport):
             self.mapping = None
             mm.close()
 
-    def _prepare(self, p: Plan, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        self._ensure(slot_bytes(p, dtype))
-        n = p.M * p.N * dtype.itemsize  # receive slots only: gathered bands go into `out`
+    def _device_recv(self, n: int) -> None:
+        """Device receive slots of at least ``n`` bytes."""
         if self.recv is None or self.recv.numel() < n:
             torch.cuda.synchronize(self.device)  # the old slots may still be read or written
             self.recv = torch.empty(n, dtype=torch.uint8, device=self.device)
             self._views.clear()  # they would keep the old slots alive
+
+    def _gathered(self, p: Plan, dtype: torch.dtype) -> torch.Tensor:
+        """The all-gather's receiving side (``gather``'s pushes go to the host): on the
+        receive stream, each peer's band ``k`` from this rank's host region into the device
+        receive slots once its host flag is set, then the device flag that ``arrived``
+        waits on. Returns the device receive slots ``[M, K]``."""
+        n = p.M * p.K * dtype.itemsize
+        self._device_recv(n)
+        for k in range(p.bands_per_block):
+            self._receive(p, None, k, self.recv_stream.cuda_stream, self.recv.data_ptr(),
+                          dtype.itemsize)  # fmt: skip
+        return self.recv[:n].view(dtype).view(p.M, p.K)
+
+    def gather(self, p: Plan, x: torch.Tensor, stream: torch.cuda.Stream) -> torch.Tensor:
+        """``PeerTransport.gather`` through host memory: pushes on ``stream``, receives on
+        the receive stream (both directions of the link at once); ``stream`` then waits for
+        the receives (after its pushes: the peers' receives wait for those)."""
+        self.recv_stream.wait_stream(stream)  # after this call's start (the caller's reads)
+        buf = super().gather(p, x, stream)
+        stream.wait_stream(self.recv_stream)
+        return buf
+
+    def _prepare(self, p: Plan, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        self._ensure(slot_bytes(p, dtype))
+        self._device_recv(p.M * p.N * dtype.itemsize)  # (gathered bands go into `out`)
         key = (self.recv.data_ptr(), p, dtype)
         if key not in self._views:
             if len(self._views) >= 256:  # one entry per plan: varying M would grow it

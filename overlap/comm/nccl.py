@@ -12,6 +12,8 @@ reduce_scatter     slot buffer ``[M * N]``      ``out[M / R, N]`` rows of the ch
                                                 (through ``recv`` for column bands)
 all_to_all         slot buffer ``[M * N]``      ``out[M, N]`` viewed ``[R, M / R, N]``
                                                 (through ``recv`` for column bands)
+all_gather         (the input: ``gather``)      ``[M, K]`` in slots ``[R, rows, K]`` per
+                                                chunk; an event per chunk on CUDA
 =================  ===========================  ==========================================
 
 Communicators:
@@ -58,6 +60,10 @@ class TorchComm:
         """Send ``ins[j]`` to rank ``j``; receive rank ``j``'s piece into ``outs[j]``."""
         dist.all_to_all(outs, ins, group=self.group)
 
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        """``out`` (``R * n``, contiguous) = every rank's ``inp`` (``n``), in rank order."""
+        dist.all_gather_into_tensor(out, inp, group=self.group)
+
     def abort(self) -> None:
         """Abort the group's NCCL communicators (releases kernels stuck on a dead peer)."""
         dist.distributed_c10d._abort_process_group(self.group)
@@ -97,6 +103,10 @@ class CupyComm:
             current_raw_stream(out.device),
         )
 
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        s, dt = current_raw_stream(inp.device), _NCCL_DTYPES[inp.dtype]
+        self.comm.allGather(inp.data_ptr(), out.data_ptr(), inp.numel(), dt, s)
+
     def all_to_all(self, outs: list[torch.Tensor], ins: list[torch.Tensor]) -> None:
         s, nccl = current_raw_stream(ins[0].device), self._nccl
         nccl.groupStart()
@@ -123,6 +133,34 @@ class NcclTransport(Transport):
 
     def __init__(self, comm: TorchComm | CupyComm) -> None:
         self.comm, self.name = comm, comm.name
+        self._events: list[torch.cuda.Event] = []  # the all-gather's, one per chunk
+
+    def gather(
+        self, plan: Plan, x: torch.Tensor, stream: torch.cuda.Stream | None
+    ) -> torch.Tensor:
+        """One ``all_gather_into_tensor`` per chunk into its slot (``[R, rows, K]``: the
+        chunk's rows of every shard, in rank order); on CUDA an event recorded after each."""
+        buf = x.new_empty(plan.M, plan.K)
+        R = plan.world_size
+        if stream is None:  # CPU: gloo runs on the host
+            for c in range(plan.n_chunks):
+                self._gather_chunk(plan, c, x, buf, R)
+            return buf
+        while len(self._events) < plan.n_chunks:
+            self._events.append(torch.cuda.Event())
+        with torch.cuda.stream(stream):  # NCCL issues on the current stream
+            for c in range(plan.n_chunks):
+                self._gather_chunk(plan, c, x, buf, R)
+                self._events[c].record(stream)
+        return buf
+
+    def _gather_chunk(self, plan: Plan, c: int, x: torch.Tensor, buf: torch.Tensor, R: int):
+        _, rows, _, row0, _ = plan.chunk_slot(c)
+        self.comm.all_gather(buf[row0 : row0 + rows], x[row0 // R : (row0 + rows) // R])
+
+    def arrived(self, plan: Plan, c: int, stream: torch.cuda.Stream | None) -> None:
+        if stream is not None:
+            stream.wait_event(self._events[c])
 
     def begin(self, plan: Plan, out: torch.Tensor) -> tuple[torch.Tensor, None]:
         if plan.spec.replicated and plan.n_col_bands == 1:

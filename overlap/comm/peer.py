@@ -106,6 +106,11 @@ def slot_bytes(p: Plan, dtype: torch.dtype) -> int:
     return regions * p.M * p.N * dtype.itemsize
 
 
+def _width(p: Plan) -> int:
+    """Elements per slot row: the product's ``N``, or the all-gather's ``K`` (its input)."""
+    return p.K if p.spec.before else p.N
+
+
 def receive_slots(buf: torch.Tensor, p: Plan, dtype: torch.dtype) -> torch.Tensor:
     """The receive slots ``[R, B, N]`` at the start of the uint8 tensor ``buf``."""
     return buf[: p.M * p.N * dtype.itemsize].view(dtype).view(p.world_size, -1, p.N)
@@ -176,16 +181,19 @@ class PeerTransport(Transport):
             self._views[key] = receive_slots(self.buf[FLAGS_BYTES:], p, dtype), flags
         return self._views[key]
 
-    def begin(self, p: Plan, out: torch.Tensor) -> tuple[torch.Tensor, Epilogue]:
-        """Before the GEMM launches (on the host): size the buffers, open the next epoch;
-        the slot buffer (``out`` itself where its peer blocks may serve as scratch) and the
-        kernel's ``Epilogue`` for the blocked plan ``p``."""
+    def _usable(self, p: Plan) -> None:
         if self.broken:
             raise RuntimeError(
                 "the copy-engine transport of this stream was aborted (validation mode's "
                 "timeout); its epochs no longer match the peers'"
             )
         _layout(self.size, p.bands_per_block).check()
+
+    def begin(self, p: Plan, out: torch.Tensor) -> tuple[torch.Tensor, Epilogue]:
+        """Before the GEMM launches (on the host): size the buffers, open the next epoch;
+        the slot buffer (``out`` itself where its peer blocks may serve as scratch) and the
+        kernel's ``Epilogue`` for the blocked plan ``p``."""
+        self._usable(p)
         recv, flags = self._prepare(p, out.dtype)
         self.epoch += 1
         if p.spec.replicated or (self.a2a_in_place and not p.spec.reduces):
@@ -209,10 +217,14 @@ class PeerTransport(Transport):
 
     def _wait(self, stream: int, index: int) -> None:
         """Order the rest of ``stream`` after this rank's flag ``index`` holds this epoch."""
+        self._wait_at(stream, self._flag(self.rank, index))
+
+    def _wait_at(self, stream: int, addr: int) -> None:
+        """Order the rest of ``stream`` after the int32 at ``addr`` holds this epoch."""
         drv = _driver()
         geq = drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
-        addr = drv.CUdeviceptr(self._flag(self.rank, index))
-        (err,) = drv.cuStreamWaitValue32(drv.CUstream(stream), addr, self.epoch & MASK, geq)
+        ptr = drv.CUdeviceptr(addr)
+        (err,) = drv.cuStreamWaitValue32(drv.CUstream(stream), ptr, self.epoch & MASK, geq)
         _check(err, "cuStreamWaitValue32")
 
     def _copy(self, cu_stream, dst: int, src: int, n: int) -> None:
@@ -223,28 +235,39 @@ class PeerTransport(Transport):
 
     def _slot(self, rank: int, region: int, s: int, k: int, p: Plan, es: int) -> int:
         """Address (mapped here) of band ``k`` of slot ``s`` in ``rank``'s slot region
-        ``region`` (0 receive, 1 gather), each ``[R, B, N]``."""
+        ``region`` (0 receive, 1 gather), each ``[R, B, width]`` (``_width``)."""
         row = region * p.M + s * (p.M // self.size) + k * p.run_rows
-        return self.ptrs[rank] + FLAGS_BYTES + row * p.N * es
+        return self.ptrs[rank] + FLAGS_BYTES + row * _width(p) * es
 
-    def _receive(self, p: Plan, out: torch.Tensor, k: int, stream: int, into_recv: int = 0):
+    def _receive(self, p: Plan, out, k: int, stream: int, into_recv: int = 0, es: int = 0):
         """Band ``k`` of this rank's block from every peer, on ``stream``, once its flag is
         here: into ``out``'s block s (all-to-all: the receive slot; all-reduce with
         ``into_recv`` 0: the gather slot), or (``into_recv``, a device address of receive
-        slots) into the device receive slot, then the kernel's flag for it
-        (``HostTransport``)."""
-        R, r, es = self.size, self.rank, out.element_size()
+        slots; ``es`` the element size) into the device receive slot, then the kernel's flag
+        for it (``HostTransport``; the all-gather's shards too)."""
+        R, r, es, width = self.size, self.rank, es or out.element_size(), _width(p)
         flags = _layout(R, p.bands_per_block)
-        band, B = p.run_rows * p.N * es, p.M // R
+        band, B = p.run_rows * width * es, p.M // R
         cu = _driver().CUstream(stream)
         gather = p.spec.replicated and not into_recv
         dst0 = into_recv or out.data_ptr()
         for s in ((r + j) % R for j in range(1, R)):
             self._wait(stream, flags.gathered(s, k) if gather else flags.arrived(s, k))
-            dst = dst0 + (s * B + k * p.run_rows) * p.N * es
+            dst = dst0 + (s * B + k * p.run_rows) * width * es
             self._copy(cu, dst, self._slot(r, int(gather), s, k, p, es), band)
             if into_recv:
                 self._write_at(stream, self.kernel_flag(flags.kernel_index(s, k)))
+
+    def _handshake(self, stream: int, flags: FlagLayout) -> list[int]:
+        """On ``stream``: READY to every peer (this rank's buffer may be written), then wait
+        for theirs; returns the peers in push order."""
+        R, r = self.size, self.rank
+        peers = [(r + j) % R for j in range(1, R)]
+        for d in peers:
+            self._write(stream, d, flags.ready(r))
+        for s in peers:
+            self._wait(stream, flags.ready(s))
+        return peers
 
     def _send(self, p: Plan, slots: torch.Tensor, out: torch.Tensor, wait, stream: int, own):
         """On ``stream``: READY to every peer and wait for theirs; then per band ``a`` in the
@@ -256,11 +279,7 @@ class PeerTransport(Transport):
         flags = _layout(R, b)
         band = p.run_rows * p.N * es  # bytes
         cu = _driver().CUstream(stream)
-        peers = [(r + j) % R for j in range(1, R)]
-        for d in peers:
-            self._write(stream, d, flags.ready(r))  # this rank's buffer may be written
-        for s in peers:
-            self._wait(stream, flags.ready(s))
+        peers = self._handshake(stream, flags)
         for c in range(p.n_row_bands):
             a = band_launched(p, r, c)
             d, k = divmod(a, b)
@@ -294,6 +313,40 @@ class PeerTransport(Transport):
         if not p.spec.scatters:  # every rank's rows come back into `out`
             own = lambda k: self._receive(p, out, k, h)  # noqa: E731
         self._send(p, slots, out, wait, h, own)
+
+    def gather(self, p: Plan, x: torch.Tensor, stream: torch.cuda.Stream) -> torch.Tensor:
+        """The all-gather (blocked plan ``p``): READY to every peer and wait for theirs; then
+        band ``k`` of the shard ``x`` pushed into every peer's receive slot ``r`` (standard
+        layout ``[R, M / R, K]``, so the gathered rows land where ``x_full`` has them), each
+        followed by ARRIVED[r][k] there, for ``k`` in order. Returns the receive slots as
+        ``[M, K]`` (this rank's own rows are not written)."""
+        self._usable(p)
+        R, r, b, es = self.size, self.rank, p.bands_per_block, x.element_size()
+        self._ensure(p.M * p.K * es)
+        self.epoch += 1
+        buf = self._gathered(p, x.dtype)
+        flags, band = _layout(R, b), p.run_rows * p.K * es
+        h = stream.cuda_stream
+        cu = _driver().CUstream(h)
+        peers = self._handshake(h, flags)
+        for k in range(b):
+            for d in peers:
+                self._copy(cu, self._slot(d, 0, r, k, p, es), x.data_ptr() + k * band, band)
+                self._write(h, d, flags.arrived(r, k))
+        return buf
+
+    def _gathered(self, p: Plan, dtype: torch.dtype) -> torch.Tensor:
+        """Where the shards arrive: this rank's receive slots, ``[M, K]``."""
+        n = p.M * p.K * dtype.itemsize
+        return self.buf[FLAGS_BYTES : FLAGS_BYTES + n].view(dtype).view(p.M, p.K)
+
+    def arrived(self, p: Plan, c: int, stream: torch.cuda.Stream) -> None:
+        """The caller's ``stream`` waits for chunk ``c`` (band ``k`` of rank ``s``'s shard,
+        ``c = s b + k``) on the kernel's flag for it (no SM used)."""
+        s, k = divmod(c, p.bands_per_block)
+        if s != self.rank:
+            index = _layout(self.size, p.bands_per_block).kernel_index(s, k)
+            self._wait_at(stream.cuda_stream, self.kernel_flag(index))
 
     def kernel_flag(self, index: int) -> int:
         """Address of the kernel's flag ``index`` (``FlagLayout.kernel_index``) here."""

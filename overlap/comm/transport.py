@@ -12,6 +12,10 @@ A transport moves the chunks of a plan between the ranks of a group. An overlapp
 3. ``abort()`` when validation mode's watch times out (a peer died mid-call);
 4. ``close()`` when the context is released (``overlap.release``).
 
+An all-gather (a collective *before* the matmul, ``overlap.all_gather_matmul``) asks instead
+``gather(plan, x, stream)``, which issues every chunk and returns the buffer the chunks
+arrive in, then ``arrived(plan, c, stream)`` before the consumer's matmuls of chunk ``c``.
+
 ``blocked`` says which plan layout it runs (``make_plan(blocked=...)``). The transports:
 ``"torch"`` and ``"cupy"`` (NCCL, one collective per chunk: ``nccl.py``), ``"ce"`` (copy
 engines GPU to GPU: ``peer.py``; through pinned host memory: ``host.py``). This package
@@ -52,6 +56,19 @@ class Transport:
     ) -> None:
         """Issue every chunk of ``plan`` on ``stream``; ``out`` holds the result once
         ``stream``'s work is done."""
+        raise NotImplementedError
+
+    def gather(
+        self, plan: Plan, x: torch.Tensor, stream: torch.cuda.Stream | None
+    ) -> torch.Tensor:
+        """Issue the all-gather of this rank's shard ``x [M / R, K]`` (contiguous) chunk by
+        chunk on ``stream``; returns the ``[M, K]`` buffer the chunks arrive in, laid out as
+        ``plan.pieces`` says (this rank's own rows may be left unwritten)."""
+        raise NotImplementedError
+
+    def arrived(self, plan: Plan, c: int, stream: torch.cuda.Stream | None) -> None:
+        """Make ``stream`` (the caller's) wait until chunk ``c`` of the last ``gather`` is in
+        its buffer."""
         raise NotImplementedError
 
     def abort(self) -> None:
