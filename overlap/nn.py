@@ -24,12 +24,22 @@ instead, which is the same for the token-wise parts between the two layers (norm
 residuals) as long as both layers see the same layout; pass ``[s, b, h]`` where the
 attention must see whole sequences.
 
-What is overlapped today: the row layer's all-reduce or reduce-scatter (forward); the column
-layer's input gradient (its all-reduce, ``matmul_allreduce(g, w)``, or under sequence
-parallelism its reduce-scatter, ``matmul_reduce_scatter(g, w)``). The column layer's forward
-all-gather (sequence parallelism) and the row layer's backward all-gather are plain torch
-collectives until the library has an all-gather + matmul. At world size 1 both layers are
-``nn.Linear``. The layers run eagerly; ``torch.compile`` of them is not tested yet.
+Every collective of the two layers is overlapped with a matmul, forward and backward:
+
+=================  ==========================================  ================================
+layer              forward                                     input gradient
+=================  ==========================================  ================================
+Column             ``x @ w^T`` (no communication)              ``matmul_allreduce(g, w)``
+Column, SP         ``all_gather_matmul(x, w^T)``               ``matmul_reduce_scatter(g, w)``
+Row                ``matmul_allreduce(x, w^T)``                ``g @ w`` (no communication)
+Row, SP            ``matmul_reduce_scatter(x, w^T)``           ``all_gather_matmul(g, w)``
+=================  ==========================================  ================================
+
+The weight gradients reuse the gathered tensors (the all-gather's ``x_full``, the gathered
+``g``). Plain torch collectives remain in the helpers around them: ``gather_output``,
+``input_is_parallel=False`` and the row bias's gradient under sequence parallelism. At world
+size 1 both layers are ``nn.Linear``. ``torch.compile(fullgraph=True)`` keeps the library's
+ops whole (they are custom ops).
 """
 
 from __future__ import annotations
@@ -40,7 +50,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .ops import check_group, matmul_collective
+from .ops import all_gather_matmul, check_group, matmul_collective
 
 
 def _rank_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
@@ -62,36 +72,26 @@ def _gather_last(y: torch.Tensor, group, R: int) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
-def _gather_rows(x: torch.Tensor, group, R: int) -> torch.Tensor:
-    """``[T / R, ...]`` of every rank -> ``[T, ...]`` (rank order)."""
-    full = x.new_empty((x.shape[0] * R, *x.shape[1:]))
-    dist.all_gather_into_tensor(full, x.contiguous(), group=group)
-    return full
-
-
 class _Column(torch.autograd.Function):
-    """``x @ w.t()`` whose input gradient is summed over the ranks (the replicated input's
-    contributions), overlapped: ``matmul_allreduce(g, w)``; with ``sequence_parallel`` the
-    input is gathered first (plain) and its gradient reduce-scattered back, overlapped:
-    ``matmul_reduce_scatter(g, w)``. ``w``: the weight shard ``[out / R, in]``."""
+    """``x @ w.t()`` of a replicated input whose gradient is summed over the ranks (each
+    rank's products use ``x``), overlapped: ``matmul_allreduce(g, w)``. ``w``: the weight
+    shard ``[out / R, in]``."""
 
     @staticmethod
-    def forward(ctx, x, w, group, R, sequence_parallel):  # noqa: D102
-        full = _gather_rows(x, group, R) if sequence_parallel and R > 1 else x
-        ctx.save_for_backward(full, w)  # the weight gradient reuses the gathered input
-        ctx.group, ctx.R, ctx.sp, ctx.shape = group, R, sequence_parallel, x.shape
-        return full @ w.t()
+    def forward(ctx, x, w, group):  # noqa: D102
+        ctx.save_for_backward(x, w)
+        ctx.group = group
+        return x @ w.t()
 
     @staticmethod
     def backward(ctx, g):  # noqa: D102
-        full, w = ctx.saved_tensors
+        x, w = ctx.saved_tensors
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            coll = "reduce_scatter" if ctx.sp else "all_reduce"
-            dx = matmul_collective(g, w, coll, group=ctx.group).reshape(ctx.shape)
+            dx = matmul_collective(g, w, "all_reduce", group=ctx.group)
         if ctx.needs_input_grad[1]:
-            dw = g.reshape(-1, g.shape[-1]).t() @ full.reshape(-1, full.shape[-1])
-        return dx, dw, None, None, None
+            dw = g.reshape(-1, g.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+        return dx, dw, None
 
 
 class _GatherLastDim(torch.autograd.Function):
@@ -210,7 +210,11 @@ class ColumnParallelLinear(_Sharded):
         (``gather_output``: ``[..., out]``)."""
         if self.world_size == 1:
             return nn.functional.linear(x, self.weight, self.bias)
-        y = _Column.apply(x, self.weight, self.group, self.world_size, self.sequence_parallel)
+        if self.sequence_parallel:
+            y = all_gather_matmul(x, self.weight.t(), group=self.group)
+            y = y.view(x.shape[0] * self.world_size, *x.shape[1:-1], y.shape[-1])
+        else:
+            y = _Column.apply(x, self.weight, self.group)
         if self.bias is not None:
             y = y + self.bias
         if self.gather_output:

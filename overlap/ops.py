@@ -63,7 +63,11 @@ def _world(group: dist.ProcessGroup | None) -> int:
 
 
 def check_group(group) -> None:
-    """Raises TypeError naming ``group`` unless it is a process group or None."""
+    """Raises TypeError naming ``group`` unless it is a process group or None, and
+    ValueError for what ``dist.new_group`` returns to a process outside the group."""
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError("group: this process is not a member of it (dist.new_group returned "
+                         "GroupMember.NON_GROUP_MEMBER here); call on the group's ranks only")  # fmt: skip
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"group must be a torch.distributed.ProcessGroup or None, got "
                         f"{type(group).__name__}")  # fmt: skip
@@ -497,7 +501,7 @@ def _(x, w, group, backend, chunks, keep):
 @torch.library.custom_op("overlap::matmul_collective_backward", mutates_args=())
 def _backward_op(
     g: torch.Tensor, x: torch.Tensor, w: torch.Tensor, collective_name: str, group: str, op: str,
-    need_dx: bool, need_dw: bool, g_x: torch.Tensor | None,
+    need_dx: bool, need_dw: bool, g_x: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``(dx [.., K], dw [K, N])`` of ``matmul_collective`` or ``all_gather_matmul`` (empty
     where not needed), with tensor parallelism's conventions (Megatron's), from the
@@ -546,7 +550,7 @@ def _backward_op(
 
 
 @_backward_op.register_fake
-def _(g, x, w, collective_name, group, op, need_dx, need_dw, g_x):
+def _(g, x, w, collective_name, group, op, need_dx, need_dw, g_x=None):
     dx_shape = x.shape
     if collective(collective_name).before:
         dx_shape = (x.shape[0] // _world(_group(group)), x.shape[1])
@@ -561,7 +565,7 @@ def _setup(ctx, inputs, output) -> None:
 def _backward(ctx, g):
     x, w = ctx.saved_tensors
     need_dx, need_dw = ctx.needs_input_grad[:2]
-    dx, dw = _backward_op(g, x, w, ctx.collective, ctx.group, ctx.op, need_dx, need_dw, None)
+    dx, dw = _backward_op(g, x, w, ctx.collective, ctx.group, ctx.op, need_dx, need_dw)
     return dx if need_dx else None, dw if need_dw else None, None, None, None, None, None
 
 
@@ -582,7 +586,8 @@ def _gather_backward(ctx, g, g_full):
         g = full.new_zeros(full.shape[0], w.shape[1])
     if g_full is not None and g_full.numel() == 0:
         g_full = None
-    dx, dw = _backward_op(g, full, w, "all_gather", ctx.group, "sum", need_dx, need_dw, g_full)
+    extra = () if g_full is None else (g_full,)  # (inductor drops a None passed for it)
+    dx, dw = _backward_op(g, full, w, "all_gather", ctx.group, "sum", need_dx, need_dw, *extra)
     return (dx.reshape(ctx.shape) if need_dx else None, dw if need_dw else None,
             None, None, None, None)  # fmt: skip
 

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from .context import set_tuned, tuned_key
-from .ops import _capturing, _check, matmul_collective
+from .ops import _capturing, _check, all_gather_matmul, matmul_collective
 from .plan import MAX_CHUNKS
 
 _TRANSPORT_VARS = ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "NCCL_P2P_LEVEL", "NCCL_NET")
@@ -132,7 +132,8 @@ def tune(
 
     Args:
         x: ``[..., K]``, w: ``[K, N]``: as in ``matmul_collective`` (this rank's operands).
-        collective: "all_reduce", "reduce_scatter" or "all_to_all".
+        collective: "all_reduce", "reduce_scatter", "all_to_all" or "all_gather" (for
+            ``all_gather_matmul``; ``x`` is this rank's shard).
         group: the process group the calls will use.
         candidates: chunk counts (2-64) and/or ``"plain"``; the same on every rank.
         iters: timed calls per candidate (after one warm-up call).
@@ -150,7 +151,7 @@ def tune(
             ``iters`` < 1, or arguments ``matmul_collective`` refuses.
         RuntimeError: called while the current CUDA stream is being captured.
     """
-    _check(x, w, collective, "sum", "torch", group)
+    before = _check(x, w, collective, "sum", "torch", group).before
     if _capturing(x):
         raise RuntimeError("overlap.tune times calls: run it before CUDA-graph capture")
     if not candidates or iters < 1:
@@ -160,8 +161,8 @@ def tune(
             raise ValueError(
                 f"candidates are 'plain' or chunk counts in [2, {MAX_CHUNKS}], got {c!r}"
             )
-    M, K, N = math.prod(x.shape[:-1]), x.shape[-1], w.shape[1]
     R = dist.get_world_size(group)
+    M, K, N = math.prod(x.shape[:-1]) * (R if before else 1), x.shape[-1], w.shape[1]
     key = _cache_key(x, M, N, K, R, collective, count_host)
     rkey = tuned_key(group, M, N, K, x.dtype, collective)
     path = cache_path()
@@ -182,7 +183,10 @@ def tune(
                 chunks = None if c == "plain" else c
 
                 def call(chunks=chunks):
-                    matmul_collective(x, w, collective, group=group, chunks=chunks)
+                    if before:
+                        all_gather_matmul(x, w, group=group, chunks=chunks)
+                    else:
+                        matmul_collective(x, w, collective, group=group, chunks=chunks)
 
                 call()  # warm-up (compiles kernels)
                 samples = [time_queued(call, x.device, group) for _ in range(iters)]

@@ -238,6 +238,7 @@ def fault_scenarios(rank: int, R: int, scenario: str, device: str) -> list[str]:
     - ``killed_mid_call``: rank 1 exits inside its second chunk's collective. Rank 0 raises:
       gloo at once (the connection closes; validation off), NCCL through validation mode's
       watch (5 s timeout, then the communicator is aborted).
+    - ``killed_mid_gather``: the same inside ``all_gather_matmul``'s second chunk.
     - ``killed_mid_call_ce``: the same through the copy-engine transport (GPU only): rank 1
       exits before pushing its second band, for which rank 0's GEMM waits in its epilogue;
       rank 0's watch releases the waits (flags written from a side stream) and raises.
@@ -255,14 +256,16 @@ def fault_scenarios(rank: int, R: int, scenario: str, device: str) -> list[str]:
         overlap.configure(validate=True, timeout=60)
         counts = count_collectives()
         x16 = x.half() if rank else x  # float16 on rank 1
-        for what, args, kw in (
-            ("shape", (x[: M // 2 * (2 - rank)], w, "all_reduce"), {"chunks": 2}),
-            ("dtype", (x16, w.to(x16.dtype), "all_reduce"), {"chunks": 2}),
-            ("collective", (x, w, "reduce_scatter" if rank else "all_to_all"), {"chunks": 2}),
-            ("plan", (x, w, "all_reduce"), {"chunks": 2 + rank}),
+        mc, ag = overlap.matmul_collective, overlap.all_gather_matmul
+        for what, fn, args, kw in (
+            ("shape", mc, (x[: M // 2 * (2 - rank)], w, "all_reduce"), {"chunks": 2}),
+            ("dtype", mc, (x16, w.to(x16.dtype), "all_reduce"), {"chunks": 2}),
+            ("collective", mc, (x, w, "reduce_scatter" if rank else "all_to_all"), {"chunks": 2}),
+            ("plan", mc, (x, w, "all_reduce"), {"chunks": 2 + rank}),
+            ("shard size", ag, (x[: M // 2 * (2 - rank)], w), {"chunks": 2}),
         ):
             try:
-                overlap.matmul_collective(*args, **kw)
+                fn(*args, **kw)
                 failures.append(f"{what}: ranks disagree and no error was raised")
             except overlap.RankMismatchError as e:
                 if "rank 0:" not in str(e) or "rank 1:" not in str(e):
@@ -289,13 +292,15 @@ def fault_scenarios(rank: int, R: int, scenario: str, device: str) -> list[str]:
         else:
             store.wait(["test/done"], timedelta(seconds=60))
         overlap.configure(validate=False)
-    elif scenario in ("killed_mid_call", "killed_mid_call_ce"):
+    elif scenario in ("killed_mid_call", "killed_mid_call_ce", "killed_mid_gather"):
         validate = device != "cpu"
         backend = "ce" if scenario.endswith("_ce") else "torch"
+        gather = scenario == "killed_mid_gather"
         overlap.configure(validate=validate, timeout=5)
         if rank == 1 and backend == "torch":
             calls = [0]
-            orig = dist.all_reduce
+            name = "all_gather_into_tensor" if gather else "all_reduce"
+            orig = getattr(dist, name)
 
             def dying(*a, **k):
                 calls[0] += 1
@@ -303,7 +308,7 @@ def fault_scenarios(rank: int, R: int, scenario: str, device: str) -> list[str]:
                     os._exit(0)  # like a crash: no teardown, no message
                 return orig(*a, **k)
 
-            dist.all_reduce = dying
+            setattr(dist, name, dying)
         elif rank == 1:  # the copy-engine transport: die before pushing the second chunk
             from overlap.comm import PeerTransport
 
@@ -319,10 +324,14 @@ def fault_scenarios(rank: int, R: int, scenario: str, device: str) -> list[str]:
 
             PeerTransport.run = dying_run
         t0 = time.monotonic()
-        if overlap.plan(x, w, chunks=4).n_chunks < 3:
+        coll = "all_gather" if gather else "all_reduce"
+        if overlap.plan(x, w, coll, chunks=4, backend=backend).n_chunks < 3:
             failures.append("the plan has too few chunks to die in the middle")
         try:
-            overlap.matmul_collective(x, w, chunks=4, backend=backend)
+            if gather:
+                overlap.all_gather_matmul(x, w, chunks=4, backend=backend)
+            else:
+                overlap.matmul_collective(x, w, chunks=4, backend=backend)
             failures.append("no error although rank 1 died mid-call")
         except (RuntimeError, TimeoutError) as e:
             took = time.monotonic() - t0

@@ -57,3 +57,82 @@ def _compiled(rank, R, seed, backend):
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_compile_fullgraph(backend):
     spawn(_compiled, 2, random.randrange(1 << 30), backend)
+
+
+def _compiled_gather_and_layers(rank, R, seed, backend):
+    """``all_gather_matmul`` (forward and backward) and both layers with and without
+    sequence parallelism under ``torch.compile(fullgraph=True)``, against float64."""
+    from torch import nn
+
+    from overlap.nn import ColumnParallelLinear, RowParallelLinear
+
+    torch._dynamo.config.cache_size_limit = 64
+    failures = []
+    g = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(40, 24, generator=g) for _ in range(R)]
+    ws = [torch.randn(32, 24, generator=g) for _ in range(R)]
+    gs = [torch.randn(40 * R, 32, generator=g) for _ in range(R)]
+
+    @torch.compile(fullgraph=True, backend=backend)
+    def gathered(x, w):
+        y, full = overlap.all_gather_matmul(x, w.t(), chunks=2, return_gathered=True)
+        return y * 2, full
+
+    Xs = [t.double().requires_grad_() for t in xs]
+    Ws = [t.double().requires_grad_() for t in ws]
+    Xf = torch.cat(Xs)
+    sum(((Xf @ Ws[r].t()) * 2 * gs[r].double()).sum() for r in range(R)).backward()
+    x, w = xs[rank].clone().requires_grad_(), ws[rank].clone().requires_grad_()
+    y, full = gathered(x, w)
+    (y * gs[rank]).sum().backward()
+    y_ref = 2 * Xf.detach() @ Ws[rank].detach().t()
+    checks = (("y", y.detach(), y_ref), ("x_full", full.detach(), Xf.detach()),
+              ("dx", x.grad, Xs[rank].grad), ("dw", w.grad, Ws[rank].grad))  # fmt: skip
+    for what, got, want in checks:
+        why = mismatch(got, want, TOL[torch.float32])
+        failures += [f"all_gather_matmul {what} rank {rank}: {why}"] if why else []
+
+    # a column layer, then a row layer (the MLP of a transformer block), both ways
+    for sp in (False, True):
+        col_full, row_full = nn.Linear(24, 64), nn.Linear(64, 24)
+        for p in (*col_full.parameters(), *row_full.parameters()):
+            with torch.no_grad():
+                p.copy_(torch.randn(p.shape, generator=g))
+        x_full = torch.randn(2 * R * 8, 3, 24, generator=g)  # [s, b, h]
+        g_full = torch.randn(2 * R * 8, 3, 24, generator=g)
+        ref_col, ref_row = (copy_double(m) for m in (col_full, row_full))
+        xr = x_full.double().requires_grad_()
+        (ref_row(torch.relu(ref_col(xr))) * g_full.double()).sum().backward()
+        col = ColumnParallelLinear.from_linear(col_full, sequence_parallel=sp)
+        row = RowParallelLinear.from_linear(row_full, sequence_parallel=sp)
+
+        @torch.compile(fullgraph=True, backend=backend)
+        def mlp(t, col=col, row=row):
+            return row(torch.relu(col(t)))
+
+        T = x_full.shape[0] // R
+        mine = slice(rank * T, (rank + 1) * T) if sp else slice(None)
+        xin = x_full[mine].clone().requires_grad_()
+        out = mlp(xin)
+        (out * g_full[mine]).sum().backward()
+        n = 64 // R
+        cols = slice(rank * n, (rank + 1) * n)
+        checks = (("y", out.detach(), (ref_row(torch.relu(ref_col(xr))))[mine].detach()),
+                  ("dx", xin.grad, xr.grad[mine]),
+                  ("col dw", col.weight.grad, ref_col.weight.grad[cols]),
+                  ("row dw", row.weight.grad, ref_row.weight.grad[:, cols]))  # fmt: skip
+        for what, got, want in checks:
+            why = mismatch(got, want, TOL[torch.float32])
+            failures += [f"layers sp={sp} {what} rank {rank}: {why}"] if why else []
+    return failures
+
+
+def copy_double(m):
+    import copy
+
+    return copy.deepcopy(m).double()
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compile_all_gather_and_layers(backend):
+    spawn(_compiled_gather_and_layers, 2, random.randrange(1 << 30), backend)

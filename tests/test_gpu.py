@@ -287,7 +287,8 @@ def test_streams_wrap_and_specials(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "scenario", ["disagree", "never_arrives", "killed_mid_call", "killed_mid_call_ce"]
+    "scenario",
+    ["disagree", "never_arrives", "killed_mid_call", "killed_mid_call_ce", "killed_mid_gather"],
 )
 def test_faults_raise_instead_of_hanging(scenario, monkeypatch):
     """The gloo scenarios of test_reliability.py on NCCL (validation mode's watch aborts the
@@ -545,3 +546,62 @@ def test_compile_host_road_one_gpu(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setenv("NCCL_P2P_DISABLE", "1")
     spawn(_compile_one_gpu, 2, random.randrange(1 << 30))
+
+
+def _gather_one_gpu(rank, R, seed):
+    """2 ranks on GPU 0 over gloo: ``all_gather_matmul`` through the copy engines' host road
+    (pushes to pinned host memory, the caller stream waiting on each band's flag), forward
+    in every dtype with ``x_full``, and a backward whose input gradient is the overlapped
+    ``matmul_reduce_scatter`` (host road too), against float64 on the GPU."""
+    import overlap
+
+    torch.cuda.set_device(0)
+    dev = "cuda:0"
+    failures = []
+    for i, (dtype, lead, K, N) in enumerate(
+        (d, lead, K, N)
+        for d in DTYPES
+        for lead, K, N in (((1024,), 1024, 3000), ((2, 500), 768, 1000))  # fmt: skip
+    ):
+        g = torch.Generator().manual_seed(seed + i)
+        xs = [torch.randn(*lead, K, generator=g).to(dtype).to(dev) for _ in range(R)]
+        w = (torch.randn(N, K, generator=g) / K**0.5).to(dtype).to(dev)
+        full_ref = torch.cat([x.reshape(-1, K) for x in xs]).double()
+        ref = full_ref @ w.double().t()
+        name = f"all_gather {dtype} {lead} K={K} N={N} rank {rank}"
+        p = overlap.plan(xs[rank], w.t(), "all_gather", chunks=4)
+        if p.transport != "ce":
+            failures.append(f"{name}: {p.describe()}")
+        out = torch.full(ref.shape, float("nan"), dtype=dtype, device=dev)
+        for call in range(2):  # the second call reuses the buffers after the handshake
+            out.fill_(float("nan"))
+            y, full = overlap.all_gather_matmul(xs[rank], w.t(), out=out, chunks=4,
+                                                return_gathered=True)  # fmt: skip
+            for what, got, want in (("y", y, ref), ("x_full", full, full_ref)):
+                why = mismatch(got, want, TOL[dtype])
+                failures += [f"{name} call {call}: {what}: {why}"] if why else []
+    # backward: big enough for the default plans to overlap (2 M N K > MIN_OVERLAP_FLOPS), so
+    # no plain reduce-scatter (which gloo cannot run on CUDA tensors)
+    g = torch.Generator().manual_seed(seed + 100)
+    m, K, N = 2048, 8192, 4096
+    xs = [torch.randn(m, K, generator=g).to(dev, torch.bfloat16) for _ in range(R)]
+    ws = [(torch.randn(N, K, generator=g) / K**0.5).to(dev, torch.bfloat16) for _ in range(R)]
+    gs = [torch.randn(R * m, N, generator=g).to(dev, torch.bfloat16) for _ in range(R)]
+    X = torch.cat(xs).double()
+    dx_ref = sum(gs[r].double() @ ws[r].double() for r in range(R))[rank * m : (rank + 1) * m]
+    dw_ref = gs[rank].double().t() @ X
+    x, w = xs[rank].clone().requires_grad_(), ws[rank].clone().requires_grad_()
+    (overlap.all_gather_matmul(x, w.t()) * gs[rank]).sum().backward()
+    for what, got, want in (("dx", x.grad, dx_ref), ("dw", w.grad, dw_ref)):
+        why = mismatch(got, want, TOL[torch.bfloat16])
+        failures += [f"all_gather backward {what} rank {rank}: {why}"] if why else []
+    return failures
+
+
+def test_all_gather_host_road_one_gpu(monkeypatch):
+    """One GPU: ``all_gather_matmul`` and its backward through the host road."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setenv("NCCL_P2P_DISABLE", "1")
+    spawn(_gather_one_gpu, 2, random.randrange(1 << 30))

@@ -128,6 +128,16 @@ def _bad_sizes(rank, R):
         failures.append("3 tokens on 2 ranks: no error")
     except ValueError as e:
         failures += [] if "dim 0" in str(e) else [f"unclear error: {e}"]
+    import torch.distributed as dist
+
+    only_0 = dist.new_group([0])  # every rank makes it; rank 1 is not in it
+    for cls in (ColumnParallelLinear, RowParallelLinear):
+        try:
+            cls(8, 8, group=only_0)
+            failures += [f"{cls.__name__}: rank 1 outside the group: no error"] if rank else []
+        except ValueError as e:
+            if not rank or "not a member" not in str(e):
+                failures.append(f"{cls.__name__} rank {rank}: {e}")
     return failures
 
 

@@ -14,7 +14,9 @@ import overlap
 from overlap.signal import ChunkCounters
 
 
-@pytest.mark.parametrize("scenario", ["disagree", "never_arrives", "killed_mid_call"])
+@pytest.mark.parametrize(
+    "scenario", ["disagree", "never_arrives", "killed_mid_call", "killed_mid_gather"]
+)
 def test_faults_raise_instead_of_hanging(scenario):
     spawn(fault_scenarios, 2, scenario, "cpu")
 

@@ -382,7 +382,9 @@ def _issue_gather(sim, rank, t, p, x, w, out, caller, comm):
     m = p.M // p.world_size
     comm.wait_stream(caller)
     buf = t.gather(p, x, comm)
-    sim.ops[caller.cuda_stream].append(("call", lambda: out[rank * m : (rank + 1) * m].copy_(x @ w)))
+    sim.ops[caller.cuda_stream].append(
+        ("call", lambda: out[rank * m : (rank + 1) * m].copy_(x @ w))
+    )
     done = -1
     for c, row, xr, h in p.pieces:
         if xr // m == rank:
@@ -396,7 +398,9 @@ def _issue_gather(sim, rank, t, p, x, w, out, caller, comm):
 
 
 @pytest.mark.parametrize("kind", ["peer", "host"])
-@pytest.mark.parametrize(("R", "m", "chunks", "ahead"), [(2, 64, 4, 0), (2, 48, 2, 1), (3, 64, 6, 2)])
+@pytest.mark.parametrize(
+    ("R", "m", "chunks", "ahead"), [(2, 64, 4, 0), (2, 48, 2, 1), (3, 64, 6, 2)]
+)
 def test_all_gather_protocol(kind, R, m, chunks, ahead, monkeypatch):
     """The all-gather through the copy engines: two calls in flight on every rank, a rank
     running ahead; every result row against float64 (a row read before its band arrived, or
@@ -430,4 +434,6 @@ def test_all_gather_protocol(kind, R, m, chunks, ahead, monkeypatch):
         full = torch.cat(xs).double()
         for r in range(R):
             assert not torch.isnan(outs[r]).any(), f"call {i} rank {r}: unwritten rows"
-            torch.testing.assert_close(outs[r].double(), full @ ws[r].double(), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(
+                outs[r].double(), full @ ws[r].double(), rtol=1e-5, atol=1e-5
+            )

@@ -61,6 +61,12 @@ def _tune_cases(rank, R, cache, seed):
         failures.append(f"forced tune: {t3}")
     msg = check_case(rank, R, "cpu", "reduce_scatter", torch.float32, (96, 40, 64), seed + 1)
     failures += [msg] if msg else []
+    # the all-gather: x is the shard, the tuned plan is the gathered M's
+    t5 = overlap.tune(x, w, "all_gather", candidates=(3,), iters=1, use_cache=False)
+    want5 = make_plan(96 * R, 64, 40, world_size=R, collective="all_gather", dtype_bits=32,
+                      interpreter=True, chunks=3)  # fmt: skip
+    if t5.choice != 3 or overlap.plan(x, w, "all_gather").pieces != want5.pieces:
+        failures.append(f"all_gather tune: {t5}, {overlap.plan(x, w, 'all_gather').describe()}")
     # a corrupt cache is ignored with a warning (rank 0 reads it) and rewritten
     dist.barrier()
     if rank == 0:

@@ -2,7 +2,8 @@
 # One device call: environment, then what MODE asks for. Logs and JSON under $OUT (or ./gpu_out).
 # Usage: bash tools/gpu_run.sh MODE [MODE...]
 #   suite    the GPU suite, one process per test (a hang costs one test's 150 s), 2+ GPUs
-#   one_gpu  what one GPU can run: the launch-memo and host-road tests, the host profile
+#   one_gpu  what one GPU can run: the launch-memo and host-road tests, the host profile, the
+#            model benchmark's correctness check (two ranks on the host road)
 #   bench    the benchmark on the bench shapes, with NCCL as it is and with NCCL_P2P_DISABLE=1
 #   soak     100 s of mixed calls, every result checked, memory tracked (2 GPUs)
 #   timeline one traced all-reduce and reduce-scatter call (2 GPUs)
@@ -47,7 +48,9 @@ for mode in "$@"; do
         NCCL_P2P_DISABLE=1 timeout 120 torchrun --nproc-per-node=2 tools/host_profile.py --one-gpu \
           --backend auto --collective $c --out "/tmp/host_$c.txt" > /dev/null 2>&1
         grep "^== \|host ms\|relative" "/tmp/host_$c.txt" | tee -a "$OUT/host_one_gpu.txt"
-      done ;;
+      done
+      NCCL_P2P_DISABLE=1 timeout 240 torchrun --nproc-per-node=2 tools/model_bench.py --one-gpu \
+        --iters 3 --warmup 1 --json "$OUT/model_bench_one_gpu.json" 2>&1 | quiet | tail -8 ;;
     bench)
       run_bench nvlink --iters 20
       NCCL_P2P_DISABLE=1 run_bench no_p2p --iters 20 --shapes $big ;;

@@ -1,5 +1,6 @@
-"""Soak run: thousands of overlapped calls with mixed shapes, collectives, dtypes, chunk counts
-and ops, every result checked against the plain torch path in fp32, memory tracked.
+"""Soak run: thousands of overlapped calls with mixed shapes, collectives (the all-gather's
+``all_gather_matmul`` too), dtypes, chunk counts and ops, every result checked against the
+plain torch path in fp32, memory tracked.
 
     torchrun --nproc-per-node=2 tools/soak.py --seconds 90 --out soak.json
 
@@ -35,6 +36,10 @@ TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 
 
 def _reference(x, w, collective, op, R):
+    if collective == "all_gather":  # x is this rank's shard
+        full = x.new_empty(x.shape[0] * R, x.shape[1])
+        dist.all_gather_into_tensor(full, x)
+        return full.float() @ w.float()
     prod = x.float() @ w.float()
     if op == "avg":
         prod /= R
@@ -55,15 +60,19 @@ def _one_call(rng, gen, dev, R):
     memory measured between calls is what the library keeps."""
     M, K, N = rng.choice(SHAPES)
     dtype = rng.choice(DTYPES)
-    coll = rng.choice(overlap.COLLECTIVES)
-    op = rng.choice(["sum", "avg"]) if coll != "all_to_all" else "sum"
+    coll = rng.choice((*overlap.COLLECTIVES, "all_gather"))
+    op = rng.choice(["sum", "avg"]) if coll in ("all_reduce", "reduce_scatter") else "sum"
     chunks = rng.choice([None, None, 2, 3, 4, 8])
     transposed = rng.random() < 0.7
-    x = torch.randn(M, K, device=dev, generator=gen, dtype=dtype)
+    rows = M // R if coll == "all_gather" else M  # the all-gather's x is a shard of M rows
+    x = torch.randn(rows, K, device=dev, generator=gen, dtype=dtype)
     w = torch.randn(N, K, device=dev, generator=gen, dtype=dtype) / K**0.5
     w = w.t() if transposed else w.t().contiguous()
     p = overlap.plan(x, w, coll, chunks=chunks)
-    got = overlap.matmul_collective(x, w, coll, op=op, chunks=chunks)
+    if coll == "all_gather":
+        got = overlap.all_gather_matmul(x, w, chunks=chunks)
+    else:
+        got = overlap.matmul_collective(x, w, coll, op=op, chunks=chunks)
     ref = _reference(x, w, coll, op, R)
     err = ((got.float() - ref).norm() / ref.norm()).item()
     return dtype, err, p, op

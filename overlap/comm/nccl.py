@@ -135,9 +135,7 @@ class NcclTransport(Transport):
         self.comm, self.name = comm, comm.name
         self._events: list[torch.cuda.Event] = []  # the all-gather's, one per chunk
 
-    def gather(
-        self, plan: Plan, x: torch.Tensor, stream: torch.cuda.Stream | None
-    ) -> torch.Tensor:
+    def gather(self, plan: Plan, x: torch.Tensor, stream: torch.cuda.Stream | None) -> torch.Tensor:
         """One ``all_gather_into_tensor`` per chunk into its slot (``[R, rows, K]``: the
         chunk's rows of every shard, in rank order); on CUDA an event recorded after each."""
         buf = x.new_empty(plan.M, plan.K)

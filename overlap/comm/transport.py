@@ -58,9 +58,7 @@ class Transport:
         ``stream``'s work is done."""
         raise NotImplementedError
 
-    def gather(
-        self, plan: Plan, x: torch.Tensor, stream: torch.cuda.Stream | None
-    ) -> torch.Tensor:
+    def gather(self, plan: Plan, x: torch.Tensor, stream: torch.cuda.Stream | None) -> torch.Tensor:
         """Issue the all-gather of this rank's shard ``x [M / R, K]`` (contiguous) chunk by
         chunk on ``stream``; returns the ``[M, K]`` buffer the chunks arrive in, laid out as
         ``plan.pieces`` says (this rank's own rows may be left unwritten)."""
