@@ -92,12 +92,15 @@ class Collective:
         else:
             dist.all_to_all_single(out, y, group=group)
 
-    def backward(self, g: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    def backward(
+        self, g: torch.Tensor, group: dist.ProcessGroup | None, splits: tuple | None = None
+    ) -> torch.Tensor:
         """Gradient of this rank's product ``[M, N]`` from the gradient ``g`` of its result
         (contiguous, 2-D), with tensor parallelism's conventions, where no ``dual`` op
         computes the input gradient: the replicated all-reduce result (and the all-gather's
         product) has a replicated gradient, so the product gets ``g``; all-to-all's gets the
-        inverse exchange, which is again an all-to-all."""
+        inverse exchange, which is again an all-to-all (with ``splits``, ``(sends,
+        receives)`` of the forward's uneven exchange, sends and receives swap)."""
         import torch
         import torch.distributed as dist
 
@@ -105,8 +108,13 @@ class Collective:
             return g
         if self.dual is not None:
             raise ValueError(f"{self.name}: the input gradient is {self.dual} + matmul")
-        gp = torch.empty_like(g)
-        dist.all_to_all_single(gp, g, group=group)
+        if splits is None:
+            gp = torch.empty_like(g)
+            dist.all_to_all_single(gp, g, group=group)
+            return gp
+        sends, receives = splits
+        gp = g.new_empty(sum(sends), g.shape[1])
+        dist.all_to_all_single(gp, g, list(sends), list(receives), group=group)
         return gp
 
 

@@ -39,12 +39,20 @@ class Context:
 
     def __init__(self, group: dist.ProcessGroup | None, device: torch.device) -> None:
         self.group, self.device = group, device
+        self.rank = dist.get_rank(group)  # (asking torch costs host time at every call)
         self.comm_stream: torch.cuda.Stream | None = None  # None on CPU
         if device.type == "cuda":
             _, highest = torch.cuda.Stream.priority_range()
             self.comm_stream = torch.cuda.Stream(device, priority=highest)
         self._counters: ChunkCounters | None = None
         self._transports: dict[str, Transport] = {}
+        self._events: list[torch.cuda.Event] = []
+
+    def events(self, n: int) -> list[torch.cuda.Event]:
+        """``n`` CUDA events of this stream's calls (made once, reused by every call)."""
+        while len(self._events) < n:
+            self._events.append(torch.cuda.Event())
+        return self._events
 
     @property
     def counters(self) -> ChunkCounters:

@@ -29,6 +29,7 @@ Store keys: ``overlap/<group name>/<call number>/<rank>``; each rank deletes its
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from datetime import timedelta
@@ -99,16 +100,20 @@ class Rendezvous:
     def _key(self, n: int, r: int) -> str:
         return f"{self.prefix}{n}/{r}"
 
-    def agree(self, fingerprint: str, what: str) -> None:
-        """Publish this rank's fingerprint of call ``what`` and check every rank's.
+    def agree(self, fingerprint: str, what: str, splits=None) -> None:
+        """Publish this rank's fingerprint of call ``what`` and check every rank's; with
+        ``splits`` (``(sends, receives)``: rows per rank), also that what every rank sends
+        to each other is what that one receives from it.
 
         Raises:
             TimeoutError: a rank did not publish within the timeout.
-            RankMismatchError: the fingerprints differ.
+            RankMismatchError: the fingerprints differ, or the splits do not match.
         """
         n = self.calls
         self.calls += 1
         keys = [self._key(n, r) for r in range(self.size)]
+        if splits is not None:
+            fingerprint += f" splits={list(splits[0])}>{list(splits[1])}"
         self.store.set(keys[self.rank], fingerprint)
         try:
             self.store.wait(keys, timedelta(seconds=timeout()))
@@ -121,22 +126,33 @@ class Rendezvous:
         if n >= 2:
             self.store.delete_key(self._key(n - 2, self.rank))
         values = [v.decode() for v in self.store.multi_get(keys)]
-        if any(v != fingerprint for v in values):
+        bad = any(v.split(" splits=")[0] != fingerprint.split(" splits=")[0] for v in values)
+        if splits is not None and not bad:  # rank a sends rank b what b receives from a
+            sr = [_parse_splits(v) for v in values]
+            R = range(self.size)
+            bad = any(sr[a][0][b] != sr[b][1][a] for a in R for b in R)
+        if bad:
             table = "\n".join(f"  rank {r}: {v}" for r, v in enumerate(values))
             raise RankMismatchError(
                 f"{what}: ranks disagree on call #{n}; nothing was launched.\n{table}"
             )
 
 
+def _parse_splits(value: str) -> tuple[list[int], list[int]]:
+    """The ``(sends, receives)`` a published fingerprint with splits carries."""
+    sends, receives = value.split(" splits=")[1].split(">")
+    return json.loads(sends), json.loads(receives)
+
+
 _rendezvous: dict[str, Rendezvous] = {}  # group name -> its rendezvous (a few ints each)
 
 
-def agree(group: dist.ProcessGroup | None, fingerprint: str, what: str) -> None:
+def agree(group: dist.ProcessGroup | None, fingerprint: str, what: str, splits=None) -> None:
     """``Rendezvous.agree`` on ``group``'s rendezvous (made on first use)."""
     name = group_name(group)
     if name not in _rendezvous:
         _rendezvous[name] = Rendezvous(group)
-    _rendezvous[name].agree(fingerprint, what)
+    _rendezvous[name].agree(fingerprint, what, splits)
 
 
 def watch(stream: torch.cuda.Stream | None, abort, what: str) -> None:
@@ -161,9 +177,11 @@ def watch(stream: torch.cuda.Stream | None, abort, what: str) -> None:
 
 def fingerprint(plan, dtype: torch.dtype, op: str) -> str:
     """What must be equal on every rank for a call to be valid: the collective, shapes, dtype,
-    op and the plan that runs (path, transport, layout, tiles per chunk and tiles)."""
+    op and the plan that runs (path, transport, layout, tiles per chunk and tiles). An
+    uneven all-to-all's ``M`` differs by rank: its splits are checked instead (``agree``)."""
+    M = "uneven" if plan.splits is not None else plan.M
     return (
-        f"{plan.collective} op={op} M={plan.M} N={plan.N} K={plan.K} {dtype} path={plan.path} "
+        f"{plan.collective} op={op} M={M} N={plan.N} K={plan.K} {dtype} path={plan.path} "
         f"transport={plan.transport} blocked={plan.blocked} chunks={plan.tiles_per_chunk} "
         f"tiles={plan.tiles}"
     )

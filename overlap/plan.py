@@ -101,6 +101,8 @@ class Plan:
     tiles_per_chunk: tuple[int, ...] = field(default=())
     blocked: bool = False  # rank-block layout of the copy-engine transports (make_plan)
     transport: str = ""
+    # uneven all-to-all (make_split_plan): rows this rank sends to / receives from each rank
+    splits: tuple[tuple[int, ...], tuple[int, ...]] | None = None
     # Derived sizes are cached properties: every launch reads them (host time per call).
 
     @functools.cached_property
@@ -190,24 +192,26 @@ class Plan:
         return r * self.rank_block_rows + a * self.run_rows + i
 
     @functools.cached_property
-    def pieces(self) -> tuple[tuple[int, int, int, int], ...]:
-        """All-gather plans: ``(chunk, slot_row, x_row, rows)`` per run of every chunk, in the
-        order the consumer multiplies them: slot rows ``[slot_row, slot_row + rows)`` of the
-        gathered buffer are rows ``[x_row, x_row + rows)`` of the gathered input (and of the
-        result), and come from rank ``x_row // (M / R)``. Blocked plans (the copy engines)
-        keep the standard layout, band ``k`` of every rank before band ``k + 1``."""
+    def shard_bands(self) -> tuple[tuple[int, int, tuple[int, ...]], ...]:
+        """All-gather plans: ``(q, h, chunks)`` per band of the shards, in the order the
+        consumer multiplies them: rows ``[q, q + h)`` of every rank's shard (rows
+        ``[s M / R + q, ... + h)`` of the gathered input and of the result for rank ``s``)
+        have arrived once ``chunks`` have. In the gathered buffer they are
+        ``buffer[R q : R (q + h)]`` viewed ``[R, h, K]`` (NCCL's slots), or for blocked plans
+        (the copy engines' standard layout) ``buffer`` viewed ``[R, M / R, K]``, rows
+        ``[q, q + h)``; the blocked plan's chunk ``s b + k`` is band ``k`` of rank ``s``."""
         if self.blocked:
-            b, h = self.bands_per_block, self.run_rows
-            return tuple((s * b + k, (s * b + k) * h, (s * b + k) * h, h)
-                         for k in range(b) for s in range(self.world_size))  # fmt: skip
-        out = []
-        for c in range(self.n_chunks):
-            row0, h = self.chunk_slot(c)[3], self.band_run_rows(c)
-            out += [(c, row0 + j * h, self.x_row(row0 + j * h), h) for j in range(self.runs)]
-        return tuple(out)
+            b, h, R = self.bands_per_block, self.run_rows, self.world_size
+            return tuple((k * h, h, tuple(s * b + k for s in range(R))) for k in range(b))
+        return tuple((a * self.run_rows, self.band_run_rows(a), (a,))
+                     for a in range(self.n_row_bands))  # fmt: skip
 
     def describe(self) -> str:
         """One line: the path, the transport, the chunks and tiles, and why."""
+        if self.splits is not None:
+            return (f"{self.collective} {self.M}x{self.N}x{self.K} on {self.world_size} ranks "
+                    f"through {self.transport}, sending {list(self.splits[0])} and receiving "
+                    f"{list(self.splits[1])} rows; {self.reason}")  # fmt: skip
         if self.path != "overlap":
             return f"{self.collective} {self.M}x{self.N}x{self.K}: fallback ({self.reason})"
         t = self.tiles
@@ -323,6 +327,52 @@ def make_plan(
         tiles_per_chunk=tiles,
         transport=transport,
     )
+
+
+DEFAULT_SPLIT_CHUNKS = 4
+
+
+def make_split_plan(
+    in_splits: tuple[int, ...],
+    out_splits: tuple[int, ...],
+    N: int,
+    K: int,
+    *,
+    chunks: int | None,
+    transport: str,
+) -> Plan:
+    """The plan of an all-to-all with uneven splits after ``[M, K] @ [K, N]``: this rank sends
+    ``in_splits[j]`` rows (consecutive, in rank order) to rank ``j`` and receives
+    ``out_splits[s]`` from rank ``s``. Chunk ``c`` is band ``c`` of every rank's block
+    (``split_bands``). The ranks' ``M`` differ, so nothing may depend on it: ``chunks``
+    (default ``DEFAULT_SPLIT_CHUNKS``) chunks, always overlapped (``M`` is this rank's)."""
+    if chunks is not None and not 2 <= chunks <= MAX_CHUNKS:
+        raise ValueError(f"chunks must be in [2, {MAX_CHUNKS}], got {chunks}")
+    n = chunks or DEFAULT_SPLIT_CHUNKS
+    R = len(in_splits)
+    return Plan("overlap", f"uneven splits: {n} chunks, band c of every rank's block in chunk c",
+                "all_to_all", sum(in_splits), N, K, R, tiles_per_chunk=(0,) * n,
+                transport=transport, splits=(tuple(in_splits), tuple(out_splits)))  # fmt: skip
+
+
+@functools.lru_cache(maxsize=256)
+def band_rows(splits: tuple[int, ...], chunks: int) -> tuple[tuple[tuple[slice, slice], ...], ...]:
+    """An uneven all-to-all's rows: ``[c][j]`` is ``(standard, slot)``, band ``c`` of block
+    ``j`` in the standard layout (consecutive blocks of ``splits`` rows) and in the
+    chunk-major slot layout (chunk ``c`` holds band ``c`` of every block, in block order, so
+    that it is one contiguous ``all_to_all_single`` buffer). Band ``c`` of a block of ``n``
+    rows is its rows ``[c n // chunks, (c + 1) n // chunks)``: a sender and its receiver
+    compute the same bands from the same count."""
+    starts = [sum(splits[:j]) for j in range(len(splits))]
+    out, at = [], 0
+    for c in range(chunks):
+        row = []
+        for s0, n in zip(starts, splits, strict=True):
+            a, b = c * n // chunks, (c + 1) * n // chunks
+            row.append((slice(s0 + a, s0 + b), slice(at, at + b - a)))
+            at += b - a
+        out.append(tuple(row))
+    return tuple(out)
 
 
 def splits_rows(M: int, collective: str, world_size: int, tiles: Tiles) -> bool:

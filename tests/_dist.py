@@ -239,6 +239,7 @@ def fault_scenarios(rank: int, R: int, scenario: str, device: str) -> list[str]:
       gloo at once (the connection closes; validation off), NCCL through validation mode's
       watch (5 s timeout, then the communicator is aborted).
     - ``killed_mid_gather``: the same inside ``all_gather_matmul``'s second chunk.
+    - ``killed_mid_split``: the same inside an uneven all-to-all's second chunk.
     - ``killed_mid_call_ce``: the same through the copy-engine transport (GPU only): rank 1
       exits before pushing its second band, for which rank 0's GEMM waits in its epilogue;
       rank 0's watch releases the waits (flags written from a side stream) and raises.
@@ -292,14 +293,15 @@ def fault_scenarios(rank: int, R: int, scenario: str, device: str) -> list[str]:
         else:
             store.wait(["test/done"], timedelta(seconds=60))
         overlap.configure(validate=False)
-    elif scenario in ("killed_mid_call", "killed_mid_call_ce", "killed_mid_gather"):
+    elif scenario.startswith("killed_mid_"):
         validate = device != "cpu"
         backend = "ce" if scenario.endswith("_ce") else "torch"
-        gather = scenario == "killed_mid_gather"
+        gather, split = scenario == "killed_mid_gather", scenario == "killed_mid_split"
         overlap.configure(validate=validate, timeout=5)
         if rank == 1 and backend == "torch":
             calls = [0]
-            name = "all_gather_into_tensor" if gather else "all_reduce"
+            gathers = {"killed_mid_gather": "all_gather_into_tensor"}
+            name = {**gathers, "killed_mid_split": "all_to_all_single"}.get(scenario, "all_reduce")
             orig = getattr(dist, name)
 
             def dying(*a, **k):
@@ -330,6 +332,10 @@ def fault_scenarios(rank: int, R: int, scenario: str, device: str) -> list[str]:
         try:
             if gather:
                 overlap.all_gather_matmul(x, w, chunks=4, backend=backend)
+            elif split:  # rank 0 sends 100 rows to itself and 150 to rank 1, and back
+                splits = [100, 150] if rank == 0 else [150, 100]
+                overlap.matmul_all_to_all(x[:250], w, input_split_sizes=splits,
+                                          output_split_sizes=splits, chunks=4)  # fmt: skip
             else:
                 overlap.matmul_collective(x, w, chunks=4, backend=backend)
             failures.append("no error although rank 1 died mid-call")

@@ -288,7 +288,14 @@ def test_streams_wrap_and_specials(monkeypatch):
 
 @pytest.mark.parametrize(
     "scenario",
-    ["disagree", "never_arrives", "killed_mid_call", "killed_mid_call_ce", "killed_mid_gather"],
+    [
+        "disagree",
+        "never_arrives",
+        "killed_mid_call",
+        "killed_mid_call_ce",
+        "killed_mid_gather",
+        "killed_mid_split",
+    ],
 )
 def test_faults_raise_instead_of_hanging(scenario, monkeypatch):
     """The gloo scenarios of test_reliability.py on NCCL (validation mode's watch aborts the
@@ -468,6 +475,15 @@ def test_launch_memo_one_gpu(monkeypatch):
     spawn(_launch_memo, 1, random.randrange(1 << 30))
 
 
+def _on_host_road(monkeypatch, fn) -> None:
+    """``fn`` on two ranks sharing GPU 0 over gloo, the copy engines taking the host road."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setenv("NCCL_P2P_DISABLE", "1")
+    spawn(fn, 2, random.randrange(1 << 30))
+
+
 def _host_road_one_gpu(rank, R, seed):
     """2 ranks on GPU 0 over gloo: the copy-engine transport's road through host memory, with
     the real fused kernel (the GPU is time-sliced between the two processes). Row-band plans
@@ -507,11 +523,7 @@ def _host_road_one_gpu(rank, R, seed):
 def test_host_road_one_gpu(monkeypatch):
     """One GPU: two ranks through the copy-engine transport's host road (``NCCL_P2P_DISABLE``),
     every collective and dtype against float64. What a 1-GPU machine can check of it."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    monkeypatch.setenv("NCCL_P2P_DISABLE", "1")
-    spawn(_host_road_one_gpu, 2, random.randrange(1 << 30))
+    _on_host_road(monkeypatch, _host_road_one_gpu)
 
 
 def _compile_one_gpu(rank, R, seed):
@@ -541,11 +553,7 @@ def _compile_one_gpu(rank, R, seed):
 
 def test_compile_host_road_one_gpu(monkeypatch):
     """One GPU: the custom op under torch.compile and autograd, with the real kernel."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    monkeypatch.setenv("NCCL_P2P_DISABLE", "1")
-    spawn(_compile_one_gpu, 2, random.randrange(1 << 30))
+    _on_host_road(monkeypatch, _compile_one_gpu)
 
 
 def _gather_one_gpu(rank, R, seed):
@@ -600,8 +608,4 @@ def _gather_one_gpu(rank, R, seed):
 
 def test_all_gather_host_road_one_gpu(monkeypatch):
     """One GPU: ``all_gather_matmul`` and its backward through the host road."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    monkeypatch.setenv("NCCL_P2P_DISABLE", "1")
-    spawn(_gather_one_gpu, 2, random.randrange(1 << 30))
+    _on_host_road(monkeypatch, _gather_one_gpu)

@@ -378,22 +378,21 @@ def test_protocol_with_the_real_kernel(kind, collective, R, M, N, chunks, ahead,
 
 def _issue_gather(sim, rank, t, p, x, w, out, caller, comm):
     """What ``overlap.ops._gather_forward`` does for one call, on simulated streams: the own
-    rows first, then each piece after ``arrived`` for its chunk."""
-    m = p.M // p.world_size
+    rows first, then each band of the shards after ``arrived`` for its chunks."""
+    R, m = p.world_size, p.M // p.world_size
     comm.wait_stream(caller)
     buf = t.gather(p, x, comm)
-    sim.ops[caller.cuda_stream].append(
-        ("call", lambda: out[rank * m : (rank + 1) * m].copy_(x @ w))
-    )
-    done = -1
-    for c, row, xr, h in p.pieces:
-        if xr // m == rank:
-            continue
-        if c != done:
+    own = slice(rank * m, (rank + 1) * m)
+    sim.ops[caller.cuda_stream].append(("call", lambda: out[own].copy_(x @ w)))
+    for q, h, chunks in p.shard_bands:
+        for c in chunks:
             t.arrived(p, c, caller)
-            done = c
-        piece = lambda row=row, xr=xr, h=h: out[xr : xr + h].copy_(buf[row : row + h] @ w)  # noqa: E731
-        sim.ops[caller.cuda_stream].append(("call", piece))
+
+        def band(q=q, h=h):  # the copy engines' standard layout
+            for s in (s for s in range(R) if s != rank):
+                out[s * m + q : s * m + q + h] = buf[s * m + q : s * m + q + h] @ w
+
+        sim.ops[caller.cuda_stream].append(("call", band))
     caller.wait_stream(comm)
 
 

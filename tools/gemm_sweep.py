@@ -2,7 +2,7 @@
 of real models. Prints a table and writes JSON.
 
     python tools/gemm_sweep.py OUT.json [--suite bench|models|all] [--dtypes bf16,fp16]
-        [--layouts nk,kn] [--kernels ar,rs,ce] [--configs "BM,BN,BK,W,S;..."] [--fp32]
+        [--layouts nk,kn] [--kernels ar,rs,ce,cbar,cbrs] [--configs "BM,BN,BK,W,S;..."] [--fp32]
 
 Kernels (each with the plan the library makes for it, world size = the shape's TP degree):
 
@@ -80,12 +80,38 @@ def _x_rows(plan) -> torch.Tensor:
     return r * plan.rank_block_rows + a * plan.run_rows + within - r * run
 
 
+def _cublas_chunks(x, w, plan, slots):
+    """The plan's slots filled by cuBLAS, one call per chunk: a matmul of the chunk's rows
+    (all-reduce), or a ``bmm`` over the chunk's runs (one per rank block; reduce-scatter),
+    each into its contiguous slot (what NCCL per chunk could run without the Triton kernel)."""
+    R, K = plan.runs, plan.K
+    x3 = x.view(R, plan.M // R, K)
+    calls = []
+    for c in range(plan.n_chunks):
+        off, rows, cols, row0, col0 = plan.chunk_slot(c)
+        h, r0 = rows // R, (row0 // plan.chunk_rows) * plan.run_rows
+        wc = w[:, col0 : col0 + cols]
+        dst = slots[off : off + rows * cols].view(R, h, cols)
+        calls.append((x3[:, r0 : r0 + h], wc.expand(R, K, cols), dst))
+
+    def launch():
+        for a, b, d in calls:
+            if R == 1:
+                torch.matmul(a[0], b[0], out=d[0])
+            else:
+                torch.bmm(a, b, out=d)
+
+    return launch
+
+
 def _variant(kind, x, w, tp, dtype, tiles):
     """``(launch, check)``: ``launch()`` runs the kernel, ``check(y)`` returns its error
-    against cuBLAS's ``y`` and whether its counters match the plan."""
+    against cuBLAS's ``y`` and whether its counters match the plan. Kinds: ``ar``, ``rs``
+    (the kernel of the NCCL transport's plans), ``ce`` (the copy engines' fused epilogue),
+    ``cbar``, ``cbrs`` (cuBLAS per chunk into the slots of the ``ar`` and ``rs`` plans)."""
     M, K = x.shape
     N = w.shape[1]
-    coll = "reduce_scatter" if kind == "rs" else "all_reduce"
+    coll = "reduce_scatter" if kind.endswith("rs") else "all_reduce"
     blocked = kind == "ce"
     if coll == "reduce_scatter" and M % tp:
         return None
@@ -99,8 +125,11 @@ def _variant(kind, x, w, tp, dtype, tiles):
     launch, bufs = kernel_alone(x, w, plan)
     slots, cnt, out, recv = bufs["slots"], bufs["counters"], bufs.get("out"), bufs.get("recv")
     calls = [0]
+    cublas = _cublas_chunks(x, w, plan, slots) if kind.startswith("cb") else None
 
     def counted_launch():
+        if cublas is not None:
+            return cublas()
         calls[0] += 1
         return launch()
 
@@ -117,6 +146,8 @@ def _variant(kind, x, w, tp, dtype, tiles):
                 block = slots[off : off + rows * cols].view(rows, cols).float()
                 got[x_rows[row0 : row0 + rows], col0 : col0 + cols] = block
         err = ((got - y.float()).norm() / y.float().norm()).item()
+        if cublas is not None:
+            return err, True  # no counters
         return err, cnt[: plan.n_chunks].tolist() == [calls[0] * t for t in plan.tiles_per_chunk]
 
     return counted_launch, check, plan

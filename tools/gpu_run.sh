@@ -44,7 +44,7 @@ for mode in "$@"; do
     suite) run_suite "${PYTEST_K:-}" ;;
     one_gpu)
       run_suite one_gpu
-      for c in all_reduce reduce_scatter; do
+      for c in all_reduce reduce_scatter all_gather; do
         NCCL_P2P_DISABLE=1 timeout 120 torchrun --nproc-per-node=2 tools/host_profile.py --one-gpu \
           --backend auto --collective $c --out "/tmp/host_$c.txt" > /dev/null 2>&1
         grep "^== \|host ms\|relative" "/tmp/host_$c.txt" | tee -a "$OUT/host_one_gpu.txt"

@@ -1,4 +1,5 @@
 """Where the host time of an overlapped call goes: cProfile over many calls, on 2 GPUs.
+``--collective all_gather`` profiles ``all_gather_matmul`` (``--shape``: the gathered M).
 
     torchrun --nproc-per-node=2 tools/host_profile.py --shape 4096x8192x4096 \
         --collective reduce_scatter --backend torch --out host.txt
@@ -47,18 +48,26 @@ def main() -> None:
     else:
         dist.init_process_group("nccl", device_id=dev)
     M, N, K = (int(v) for v in args.shape.split("x"))
-    x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
-    w = torch.randn(N, K, device=dev, dtype=torch.bfloat16).t()
-
     R = dist.get_world_size()
+    gathers = collective(args.collective).before  # all_gather: x is the shard of M rows
+    x = torch.randn(M // R if gathers else M, K, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(N, K, device=dev, dtype=torch.bfloat16).t()
     out = torch.empty(M // R if args.collective == "reduce_scatter" else M, N, dtype=x.dtype,
                       device=dev)  # fmt: skip
 
     def plain():  # what users write today
-        collective(args.collective).plain(x @ w, out, None)
+        if gathers:
+            full = x.new_empty(M, K)
+            collective(args.collective).plain(x, full, None)
+            torch.matmul(full, w, out=out)
+        else:
+            collective(args.collective).plain(x @ w, out, None)
 
     def ovl():
-        overlap.matmul_collective(x, w, args.collective, out=out, backend=args.backend)
+        if gathers:
+            overlap.all_gather_matmul(x, w, out=out, backend=args.backend)
+        else:
+            overlap.matmul_collective(x, w, args.collective, out=out, backend=args.backend)
 
     lines = [f"{args.shape} {args.collective} backend={args.backend} {torch.__version__}"]
     runs = [("plain: x @ w, then the collective", plain)] if not args.one_gpu else []
@@ -94,13 +103,18 @@ def main() -> None:
     if args.one_gpu:  # one more call's result (NaN before) against float64, on every rank
         out.fill_(float("nan"))
         ovl()
-        prod = (x.double() @ w.double()).cpu()
-        prods = [torch.empty_like(prod) for _ in range(R)]
-        dist.all_gather(prods, prod)
         r, B = dist.get_rank(), M // R
-        total, mine = sum(prods), slice(r * B, (r + 1) * B)
-        want = {"all_reduce": total, "reduce_scatter": total[mine],
-                "all_to_all": torch.cat([q[mine] for q in prods])}[args.collective]  # fmt: skip
+        if gathers:
+            shards = [torch.empty_like(x.cpu()) for _ in range(R)]
+            dist.all_gather(shards, x.cpu())
+            want = torch.cat(shards).double() @ w.double().cpu()
+        else:
+            prod = (x.double() @ w.double()).cpu()
+            prods = [torch.empty_like(prod) for _ in range(R)]
+            dist.all_gather(prods, prod)
+            total, mine = sum(prods), slice(r * B, (r + 1) * B)
+            want = {"all_reduce": total, "reduce_scatter": total[mine],
+                    "all_to_all": torch.cat([q[mine] for q in prods])}[args.collective]  # fmt: skip
         errs = [None] * R
         dist.all_gather_object(errs, ((out.double().cpu() - want).norm() / want.norm()).item())
         ok = all(e < 2e-2 for e in errs)  # NaN fails

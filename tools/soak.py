@@ -11,6 +11,7 @@ on for every other block of 250 calls. Prints a summary and writes JSON (rank 0)
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -20,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 import overlap
+from overlap.plan import make_split_plan
 
 SHAPES = [  # (M, K, N)
     (2048, 2048, 2048),
@@ -35,7 +37,12 @@ DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 
 
-def _reference(x, w, collective, op, R):
+def _reference(x, w, collective, op, R, splits=None):
+    if splits is not None:  # an uneven all-to-all
+        prod = x.float() @ w.float()
+        out = prod.new_empty(sum(splits[1]), prod.shape[1])
+        dist.all_to_all_single(out, prod, list(splits[1]), list(splits[0]))
+        return out
     if collective == "all_gather":  # x is this rank's shard
         full = x.new_empty(x.shape[0] * R, x.shape[1])
         dist.all_gather_into_tensor(full, x)
@@ -65,15 +72,29 @@ def _one_call(rng, gen, dev, R):
     chunks = rng.choice([None, None, 2, 3, 4, 8])
     transposed = rng.random() < 0.7
     rows = M // R if coll == "all_gather" else M  # the all-gather's x is a shard of M rows
+    splits = None
+    if coll == "all_to_all" and rng.random() < 0.5:  # uneven: S[a][b] rows from a to b
+        S = [[rng.randrange(0, 2 * M // R // R + 1) for _ in range(R)] for _ in range(R)]
+        me = dist.get_rank()
+        splits = (S[me], [S[a][me] for a in range(R)])
+        rows = sum(S[me])
     x = torch.randn(rows, K, device=dev, generator=gen, dtype=dtype)
     w = torch.randn(N, K, device=dev, generator=gen, dtype=dtype) / K**0.5
     w = w.t() if transposed else w.t().contiguous()
-    p = overlap.plan(x, w, coll, chunks=chunks)
-    if coll == "all_gather":
+    if splits is not None:
+        p = make_split_plan(*map(tuple, splits), N, K, chunks=chunks, transport="torch")
+        p = dataclasses.replace(p, collective="all_to_all (uneven)")  # its own key below
+        got = overlap.matmul_all_to_all(x, w, input_split_sizes=splits[0],
+                                        output_split_sizes=splits[1], chunks=chunks)  # fmt: skip
+    elif coll == "all_gather":
+        p = overlap.plan(x, w, coll, chunks=chunks)
         got = overlap.all_gather_matmul(x, w, chunks=chunks)
     else:
+        p = overlap.plan(x, w, coll, chunks=chunks)
         got = overlap.matmul_collective(x, w, coll, op=op, chunks=chunks)
-    ref = _reference(x, w, coll, op, R)
+    ref = _reference(x, w, coll, op, R, splits)
+    if ref.numel() == 0:  # an uneven all-to-all may bring this rank no rows
+        return dtype, 0.0 if got.numel() == 0 else float("nan"), p, op
     err = ((got.float() - ref).norm() / ref.norm()).item()
     return dtype, err, p, op
 

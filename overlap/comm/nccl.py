@@ -30,12 +30,13 @@ Sum is the only reduction: ``op="avg"`` is folded into the GEMM as a ``1 / R`` s
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
-from ..plan import Plan
+from ..plan import Plan, band_rows
 from ..signal import current_raw_stream
 from .transport import Transport
 
@@ -63,6 +64,12 @@ class TorchComm:
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         """``out`` (``R * n``, contiguous) = every rank's ``inp`` (``n``), in rank order."""
         dist.all_gather_into_tensor(out, inp, group=self.group)
+
+    def all_to_all_v(self, out, inp, out_rows: list[int], in_rows: list[int]) -> None:
+        """``inp``'s consecutive blocks of ``in_rows[j]`` rows to rank ``j``; rank ``s``'s block
+        for this rank into ``out``'s consecutive blocks of ``out_rows[s]`` rows (both
+        contiguous ``[rows, N]``)."""
+        dist.all_to_all_single(out, inp, out_rows, in_rows, group=self.group)
 
     def abort(self) -> None:
         """Abort the group's NCCL communicators (releases kernels stuck on a dead peer)."""
@@ -107,6 +114,17 @@ class CupyComm:
         s, dt = current_raw_stream(inp.device), _NCCL_DTYPES[inp.dtype]
         self.comm.allGather(inp.data_ptr(), out.data_ptr(), inp.numel(), dt, s)
 
+    def all_to_all_v(self, out, inp, out_rows: list[int], in_rows: list[int]) -> None:
+        s, nccl = current_raw_stream(inp.device), self._nccl
+        dt, row = _NCCL_DTYPES[inp.dtype], inp.shape[1] * inp.element_size()
+        nccl.groupStart()
+        for peer in range(self.size):
+            i0, o0 = sum(in_rows[:peer]), sum(out_rows[:peer])
+            n_in, n_out = in_rows[peer] * inp.shape[1], out_rows[peer] * inp.shape[1]
+            self.comm.send(inp.data_ptr() + i0 * row, n_in, dt, peer, s)
+            self.comm.recv(out.data_ptr() + o0 * row, n_out, dt, peer, s)
+        nccl.groupEnd()
+
     def all_to_all(self, outs: list[torch.Tensor], ins: list[torch.Tensor]) -> None:
         s, nccl = current_raw_stream(ins[0].device), self._nccl
         nccl.groupStart()
@@ -134,6 +152,7 @@ class NcclTransport(Transport):
     def __init__(self, comm: TorchComm | CupyComm) -> None:
         self.comm, self.name = comm, comm.name
         self._events: list[torch.cuda.Event] = []  # the all-gather's, one per chunk
+        self._orders: dict[tuple, torch.Tensor] = {}  # run_splits' row orders
 
     def gather(self, plan: Plan, x: torch.Tensor, stream: torch.cuda.Stream | None) -> torch.Tensor:
         """One ``all_gather_into_tensor`` per chunk into its slot (``[R, rows, K]``: the
@@ -159,6 +178,46 @@ class NcclTransport(Transport):
     def arrived(self, plan: Plan, c: int, stream: torch.cuda.Stream | None) -> None:
         if stream is not None:
             stream.wait_event(self._events[c])
+
+    def run_splits(
+        self,
+        plan: Plan,
+        y: torch.Tensor,
+        out: torch.Tensor,
+        wait: Callable[[int], None],
+        stream: torch.cuda.Stream | None,
+    ) -> None:
+        """An uneven all-to-all (``make_split_plan``) of the product ``y [M, N]`` in the slot
+        layout of ``plan.band_rows`` into ``out`` (standard layout), on ``stream``: chunk
+        ``c`` (band ``c`` of every block) after ``wait(c)``, by one ``all_to_all_single`` into
+        receive slots; then one gather of the received rows into their places in ``out``
+        (gloo's list all-to-all takes equal sizes only, so views cannot be sent as they are)."""
+        n = plan.n_chunks
+        sends, receives = (band_rows(s, n) for s in plan.splits)
+        recv = torch.empty_like(out)
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            for c in range(n):
+                wait(c)
+                i, o = sends[c], receives[c]
+                self.comm.all_to_all_v(
+                    recv[o[0][1].start : o[-1][1].stop], y[i[0][1].start : i[-1][1].stop],
+                    [s.stop - s.start for _, s in o], [s.stop - s.start for _, s in i],
+                )  # fmt: skip
+            torch.index_select(recv, 0, self._order(plan.splits[1], n, out.device), out=out)
+
+    def _order(self, receives: tuple[int, ...], n: int, device: torch.device) -> torch.Tensor:
+        """For each row of the result, its row in the receive slots (made once per splits)."""
+        key = (receives, n, str(device))
+        if key not in self._orders:
+            if len(self._orders) >= 64:  # routing changes every step in MoE: keep a few
+                self._orders.clear()
+            bands = band_rows(receives, n)
+            order = torch.empty(sum(receives), dtype=torch.long)
+            for row in bands:
+                for std, slot in row:
+                    order[std] = torch.arange(slot.start, slot.stop)
+            self._orders[key] = order.to(device)
+        return self._orders[key]
 
     def begin(self, plan: Plan, out: torch.Tensor) -> tuple[torch.Tensor, None]:
         if plan.spec.replicated and plan.n_col_bands == 1:

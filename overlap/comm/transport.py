@@ -61,7 +61,7 @@ class Transport:
     def gather(self, plan: Plan, x: torch.Tensor, stream: torch.cuda.Stream | None) -> torch.Tensor:
         """Issue the all-gather of this rank's shard ``x [M / R, K]`` (contiguous) chunk by
         chunk on ``stream``; returns the ``[M, K]`` buffer the chunks arrive in, laid out as
-        ``plan.pieces`` says (this rank's own rows may be left unwritten)."""
+        ``plan.shard_bands`` says (this rank's own rows may be left unwritten)."""
         raise NotImplementedError
 
     def arrived(self, plan: Plan, c: int, stream: torch.cuda.Stream | None) -> None:
