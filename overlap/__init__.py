@@ -16,6 +16,7 @@ from .context import release
 from .guard import RankMismatchError, configure
 from .ops import (
     all_gather_matmul,
+    grouped_matmul_all_to_all,
     matmul_all_to_all,
     matmul_allreduce,
     matmul_collective,
@@ -32,6 +33,7 @@ __all__ = [
     "RankMismatchError",
     "Tuned",
     "all_gather_matmul",
+    "grouped_matmul_all_to_all",
     "configure",
     "matmul_all_to_all",
     "matmul_allreduce",

@@ -34,6 +34,7 @@ kernel (Triton reads it when the kernel is defined).
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import functools
 import math
@@ -300,12 +301,13 @@ def _check_splits(x, name, sends, receives, group) -> tuple[tuple[int, ...], tup
     return tuple(sends), tuple(receives)
 
 
-def _split_forward(x, w, group, out, backend, chunks, sends, receives) -> torch.Tensor:
+def _split_forward(x, w, group, out, backend, chunks, sends, receives, runs=None) -> torch.Tensor:
     """``matmul_collective`` all-to-all with uneven splits (checked): cuBLAS computes the
     product chunk by chunk into the slot layout of ``plan.band_rows`` (chunk ``c``: band ``c``
     of every destination's block), an event after each; NCCL per chunk sends each chunk
-    once its event has passed (``NcclTransport.run_splits``)."""
-    M, K, N = math.prod(x.shape[:-1]), x.shape[-1], w.shape[1]
+    once its event has passed (``NcclTransport.run_splits``). ``runs`` (``expert_runs``):
+    ``w`` is ``[E, K, N]`` and each run of rows uses its expert's matrix (the MoE combine)."""
+    M, K, N = math.prod(x.shape[:-1]), x.shape[-1], w.shape[-1]
     transport = backend if backend in ("torch", "cupy") else "torch"  # (no copy engines)
     p = make_split_plan(sends, receives, N, K, chunks=chunks, transport=transport)
     shape = (sum(receives), N)
@@ -315,7 +317,8 @@ def _split_forward(x, w, group, out, backend, chunks, sends, receives) -> torch.
         _check_out(out, shape, x)
     x2 = x.reshape(M, K)
     if p.world_size == 1:
-        return torch.matmul(x2, w, out=out)
+        _product(x2, w, out, slice(0, M), slice(0, M), runs)
+        return out
     ctx = context(group, x.device)
     validating = guard.validating()
     if validating:
@@ -329,8 +332,7 @@ def _split_forward(x, w, group, out, backend, chunks, sends, receives) -> torch.
     try:
         for c, rows in enumerate(band_rows(sends, n)):
             for std, slot in rows:
-                if slot.stop > slot.start:
-                    torch.matmul(x2[std], w, out=y[slot])
+                _product(x2, w, y, std, slot, runs)
             if events is not None:
                 events[c].record(caller)
         wait = (lambda c: s.wait_event(events[c])) if s is not None else (lambda c: None)
@@ -341,6 +343,46 @@ def _split_forward(x, w, group, out, backend, chunks, sends, receives) -> torch.
     if validating and s is not None and not _capturing(x):
         guard.watch(s, t.abort, p.describe())
     return out
+
+
+def _product(x2, w, y, std: slice, slot: slice, runs) -> None:
+    """``y[slot] = x2[std] @ w``; with ``runs``, row by row ``@ w[expert]``: one matmul per
+    run of equal expert ids within ``std``."""
+    if slot.stop == slot.start:
+        return
+    if runs is None:
+        torch.matmul(x2[std], w, out=y[slot])
+        return
+    shift = slot.start - std.start
+    for a, b, e in runs.within(std.start, std.stop):
+        torch.matmul(x2[a:b], w[e], out=y[a + shift : b + shift])
+
+
+class ExpertRuns:
+    """Maximal runs of equal expert ids over the rows, read on the host once per call:
+    ``(start, stop, expert)``; rows sorted by expert within each destination's block make
+    one run per (block, expert)."""
+
+    def __init__(self, expert_ids: torch.Tensor, experts: int) -> None:
+        ids = expert_ids.reshape(-1).to("cpu", torch.int64)  # (a host sync, once per call)
+        if ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < experts):
+            raise ValueError(f"expert_ids must lie in [0, {experts}) (w has {experts} experts), "
+                             f"got values in [{int(ids.min())}, {int(ids.max())}]")  # fmt: skip
+        cuts = [0, *((ids[1:] != ids[:-1]).nonzero().flatten() + 1).tolist(), ids.numel()]
+        cuts = cuts if ids.numel() else [0]  # no rows: no runs
+        self.starts = cuts[:-1]
+        self.runs = [(a, b, int(ids[a])) for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
+
+    def within(self, start: int, stop: int) -> list[tuple[int, int, int]]:
+        """The runs clipped to rows ``[start, stop)``."""
+        i = max(bisect.bisect_right(self.starts, start) - 1, 0)
+        out = []
+        for a, b, e in self.runs[i:]:
+            if a >= stop:
+                break
+            if b > start:
+                out.append((max(a, start), min(b, stop), e))
+        return out
 
 
 def _forward(x, w, collective, group, op, out, backend, chunks) -> torch.Tensor:
@@ -769,3 +811,119 @@ def matmul_all_to_all(
     return matmul_collective(x, w, "all_to_all", group=group, out=out, backend=backend,
                              chunks=chunks, input_split_sizes=input_split_sizes,
                              output_split_sizes=output_split_sizes)  # fmt: skip
+
+
+def grouped_matmul_all_to_all(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    expert_ids: torch.Tensor,
+    *,
+    input_split_sizes: list[int],
+    output_split_sizes: list[int],
+    group: dist.ProcessGroup | None = None,
+    out: torch.Tensor | None = None,
+    backend: str = "auto",
+    chunks: int | None = None,
+) -> torch.Tensor:
+    """The MoE combine: every row through its expert, then an uneven all-to-all, overlapped
+    band by band (as ``matmul_all_to_all`` with splits).
+
+    Equals ``all_to_all_single(out, y, output_split_sizes, input_split_sizes)`` with
+    ``y[i] = x[i] @ w[expert_ids[i]]``.
+
+    Args:
+        x: ``[M, K]`` (leading dims flattened), rows ordered by destination rank
+            (``input_split_sizes[j]`` rows for rank ``j``); fp16, bf16 or fp32.
+        w: ``[E, K, N]``, this rank's ``E`` experts, same dtype and device (any strides in
+            the last two dims: ``weight.transpose(1, 2)`` of ``[E, N, K]`` is fine).
+        expert_ids: ``[M]`` integer tensor, each row's expert in ``[0, E)``. It is read on the
+            host once per call (a synchronization with its producer); rows sorted by expert
+            within each destination's block make one matmul per (band, expert).
+        input_split_sizes, output_split_sizes: rows sent to and received from each rank.
+        group, out, backend, chunks: as in ``matmul_collective`` (NCCL per chunk only).
+
+    Returns:
+        ``[sum(output_split_sizes), N]``, block ``s`` from rank ``s``. Differentiable in
+        ``x`` and ``w`` (the backward sends the gradient back, then per expert
+        ``dx = g w_e^T``, ``dw_e = x_e^T g``; plain torch ops); a custom op under
+        ``torch.compile``.
+
+    Raises:
+        TypeError, ValueError: wrong types, dtypes, devices or shapes (naming the argument),
+            splits that do not fit (``matmul_collective``), expert ids out of range.
+    """
+    if not isinstance(w, torch.Tensor) or w.dim() != 3 or w.shape[0] < 1:
+        raise ValueError(f"w must be [E, K, N] with E >= 1, got {getattr(w, 'shape', w)}")
+    _check(x, w[0], "all_to_all", "sum", backend, group)
+    if not isinstance(expert_ids, torch.Tensor) or expert_ids.is_floating_point() or (
+        expert_ids.numel() != math.prod(x.shape[:-1])
+    ):  # fmt: skip
+        got = getattr(expert_ids, "shape", expert_ids)
+        raise ValueError(f"expert_ids must be an integer tensor with one id per row of x "
+                         f"({math.prod(x.shape[:-1])}), got {got}")  # fmt: skip
+    sends, receives = _check_splits(x, "all_to_all", input_split_sizes, output_split_sizes, group)
+    gname = _via_op(x, w, out, group)
+    if gname is not None:
+        return torch.ops.overlap.grouped_matmul_all_to_all(
+            x, w, expert_ids, gname, backend, chunks, list(sends), list(receives)
+        )
+    runs = ExpertRuns(expert_ids, w.shape[0])
+    return _split_forward(x, w, group, out, backend, chunks, sends, receives, runs)
+
+
+@torch.library.custom_op("overlap::grouped_matmul_all_to_all", mutates_args=())
+def _grouped_op(
+    x: torch.Tensor, w: torch.Tensor, expert_ids: torch.Tensor, group: str, backend: str,
+    chunks: int | None, sends: list[int], receives: list[int],
+) -> torch.Tensor:  # fmt: skip
+    """``grouped_matmul_all_to_all`` as a custom op (``group``: its name, "" for None)."""
+    runs = ExpertRuns(expert_ids, w.shape[0])
+    pg = _group(group)
+    return _split_forward(x, w, pg, None, backend, chunks, tuple(sends), tuple(receives), runs)
+
+
+@_grouped_op.register_fake
+def _(x, w, expert_ids, group, backend, chunks, sends, receives):
+    return x.new_empty(sum(receives), w.shape[-1])
+
+
+@torch.library.custom_op("overlap::grouped_matmul_all_to_all_backward", mutates_args=())
+def _grouped_backward_op(
+    g: torch.Tensor, x: torch.Tensor, w: torch.Tensor, expert_ids: torch.Tensor, group: str,
+    sends: list[int], receives: list[int], need_dx: bool, need_dw: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``(dx, dw)`` of ``grouped_matmul_all_to_all`` (empty where not needed): the result's
+    gradient sent back (the inverse all-to-all), then per run of an expert's rows."""
+    pg = _group(group)
+    g2 = g.reshape(-1, w.shape[-1]).contiguous()
+    gp = collective("all_to_all").backward(g2, pg, (sends, receives)) if _world(pg) > 1 else g2
+    x2 = x.reshape(-1, x.shape[-1])
+    dx = torch.empty_like(x2) if need_dx else x.new_empty(0)
+    dw = torch.zeros_like(w) if need_dw else w.new_empty(0)
+    for a, b, e in ExpertRuns(expert_ids, w.shape[0]).runs:
+        if need_dx:
+            torch.matmul(gp[a:b], w[e].t(), out=dx[a:b])
+        if need_dw:
+            dw[e] += x2[a:b].t() @ gp[a:b]
+    return dx.reshape(x.shape) if need_dx else dx, dw
+
+
+@_grouped_backward_op.register_fake
+def _(g, x, w, expert_ids, group, sends, receives, need_dx, need_dw):
+    return x.new_empty(x.shape if need_dx else 0), w.new_empty(w.shape if need_dw else 0)
+
+
+def _grouped_setup(ctx, inputs, output) -> None:
+    x, w, expert_ids, ctx.group, _, _, ctx.sends, ctx.receives = inputs
+    ctx.save_for_backward(x, w, expert_ids)
+
+
+def _grouped_backward(ctx, g):
+    x, w, expert_ids = ctx.saved_tensors
+    need_dx, need_dw = ctx.needs_input_grad[:2]
+    dx, dw = _grouped_backward_op(g, x, w, expert_ids, ctx.group, ctx.sends, ctx.receives,
+                                  need_dx, need_dw)  # fmt: skip
+    return (dx if need_dx else None, dw if need_dw else None, *([None] * 6))
+
+
+_grouped_op.register_autograd(_grouped_backward, setup_context=_grouped_setup)

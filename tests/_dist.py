@@ -239,7 +239,8 @@ def fault_scenarios(rank: int, R: int, scenario: str, device: str) -> list[str]:
       gloo at once (the connection closes; validation off), NCCL through validation mode's
       watch (5 s timeout, then the communicator is aborted).
     - ``killed_mid_gather``: the same inside ``all_gather_matmul``'s second chunk.
-    - ``killed_mid_split``: the same inside an uneven all-to-all's second chunk.
+    - ``killed_mid_split``, ``killed_mid_grouped``: the same inside the second chunk of an
+      uneven all-to-all, or of the MoE combine.
     - ``killed_mid_call_ce``: the same through the copy-engine transport (GPU only): rank 1
       exits before pushing its second band, for which rank 0's GEMM waits in its epilogue;
       rank 0's watch releases the waits (flags written from a side stream) and raises.
@@ -296,12 +297,19 @@ def fault_scenarios(rank: int, R: int, scenario: str, device: str) -> list[str]:
     elif scenario.startswith("killed_mid_"):
         validate = device != "cpu"
         backend = "ce" if scenario.endswith("_ce") else "torch"
-        gather, split = scenario == "killed_mid_gather", scenario == "killed_mid_split"
+        gather, split = (
+            scenario == "killed_mid_gather",
+            scenario in ("killed_mid_split", "killed_mid_grouped"),
+        )
         overlap.configure(validate=validate, timeout=5)
         if rank == 1 and backend == "torch":
             calls = [0]
             gathers = {"killed_mid_gather": "all_gather_into_tensor"}
-            name = {**gathers, "killed_mid_split": "all_to_all_single"}.get(scenario, "all_reduce")
+            splits = {
+                "killed_mid_split": "all_to_all_single",
+                "killed_mid_grouped": "all_to_all_single",
+            }
+            name = {**gathers, **splits}.get(scenario, "all_reduce")
             orig = getattr(dist, name)
 
             def dying(*a, **k):
@@ -334,8 +342,12 @@ def fault_scenarios(rank: int, R: int, scenario: str, device: str) -> list[str]:
                 overlap.all_gather_matmul(x, w, chunks=4, backend=backend)
             elif split:  # rank 0 sends 100 rows to itself and 150 to rank 1, and back
                 splits = [100, 150] if rank == 0 else [150, 100]
-                overlap.matmul_all_to_all(x[:250], w, input_split_sizes=splits,
-                                          output_split_sizes=splits, chunks=4)  # fmt: skip
+                kw = dict(input_split_sizes=splits, output_split_sizes=splits, chunks=4)
+                if scenario == "killed_mid_grouped":  # two experts, alternating rows
+                    ids = torch.arange(250, device=dev) % 2
+                    overlap.grouped_matmul_all_to_all(x[:250], torch.stack([w, w]), ids, **kw)
+                else:
+                    overlap.matmul_all_to_all(x[:250], w, **kw)
             else:
                 overlap.matmul_collective(x, w, chunks=4, backend=backend)
             failures.append("no error although rank 1 died mid-call")

@@ -295,6 +295,7 @@ def test_streams_wrap_and_specials(monkeypatch):
         "killed_mid_call_ce",
         "killed_mid_gather",
         "killed_mid_split",
+        "killed_mid_grouped",
     ],
 )
 def test_faults_raise_instead_of_hanging(scenario, monkeypatch):

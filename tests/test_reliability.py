@@ -16,7 +16,14 @@ from overlap.signal import ChunkCounters
 
 @pytest.mark.parametrize(
     "scenario",
-    ["disagree", "never_arrives", "killed_mid_call", "killed_mid_gather", "killed_mid_split"],
+    [
+        "disagree",
+        "never_arrives",
+        "killed_mid_call",
+        "killed_mid_gather",
+        "killed_mid_split",
+        "killed_mid_grouped",
+    ],
 )
 def test_faults_raise_instead_of_hanging(scenario):
     spawn(fault_scenarios, 2, scenario, "cpu")

@@ -146,8 +146,97 @@ def _compiled(rank, R, seed):
     why = mismatch(y.detach(), want, TOL[torch.float32])
     y.sum().backward()
     none = [n for n, t in (("dx", x.grad), ("dw", w.grad)) if t is None]
-    return ([f"compiled rank {rank}: {why}"] if why else []) + [f"{n} is None" for n in none]
+    failures = ([f"compiled rank {rank}: {why}"] if why else []) + [f"{n} is None" for n in none]
+
+    @torch.compile(fullgraph=True, backend="aot_eager")
+    def combine(x, w, ids, sends, receives):
+        return overlap.grouped_matmul_all_to_all(x, w, ids, input_split_sizes=sends,
+                                                 output_split_sizes=receives, chunks=2)  # fmt: skip
+
+    we = torch.randn(2, 16, 12, generator=g)
+    ids = [torch.randint(0, 2, (sum(S[a]),), generator=g) for a in range(R)]
+    y = combine(xs[rank], we, ids[rank], S[rank], receives)
+    prods = [torch.stack([xs[a][r].double() @ we[ids[a][r]].double() for r in range(len(ids[a]))])
+             for a in range(R)]  # fmt: skip
+    want = torch.cat([prods[a][sum(S[a][:rank]) : sum(S[a][: rank + 1])] for a in range(R)])
+    why = mismatch(y, want, TOL[torch.float32])
+    return failures + ([f"compiled combine rank {rank}: {why}"] if why else [])
 
 
 def test_compile_fullgraph():
     spawn(_compiled, 2, random.randrange(1 << 30))
+
+
+def _grouped(rank, R, seed):
+    """``grouped_matmul_all_to_all`` (the MoE combine): every row through its expert (3
+    experts per rank, one never used, ids sorted within blocks or not), then the uneven
+    exchange; forward and backward against float64."""
+    failures = []
+    for i, (dtype, sort, chunks) in enumerate(
+        ((torch.float32, True, None), (torch.float32, False, 3), (torch.float16, True, 2))
+    ):
+        g = torch.Generator().manual_seed(seed + i)
+        S = _routing(R, g)
+        K, N, E = 20, 28, 3
+        xs = [torch.randn(sum(S[a]), K, generator=g).to(dtype) for a in range(R)]
+        ws = [torch.randn(E, N, K, generator=g).to(dtype) for _ in range(R)]  # [E, N, K]
+        ids = []
+        for a in range(R):
+            blocks = [torch.randint(0, E - 1, (n,), generator=g) for n in S[a]]  # expert 2 unused
+            ids.append(torch.cat([b.sort().values if sort else b for b in blocks]).long())
+        gs = [torch.randn(sum(S[a][b] for a in range(R)), N, generator=g).to(dtype)
+              for b in range(R)]  # fmt: skip
+        X = [x.double().requires_grad_() for x in xs]
+        W = [w.double().requires_grad_() for w in ws]
+        P = [torch.stack([X[a][r] @ W[a][ids[a][r]].t() for r in range(len(ids[a]))])
+             if len(ids[a]) else X[a].new_zeros(0, N) for a in range(R)]  # fmt: skip
+        Y = [torch.cat([P[a][sum(S[a][:b]) : sum(S[a][: b + 1])] for a in range(R)])
+             for b in range(R)]  # fmt: skip
+        sum((Y[b] * gs[b].double()).sum() for b in range(R)).backward()
+        x, w = xs[rank].clone().requires_grad_(), ws[rank].clone().requires_grad_()
+        sends, receives = S[rank], [S[a][rank] for a in range(R)]
+        y = overlap.grouped_matmul_all_to_all(
+            x, w.transpose(1, 2), ids[rank], input_split_sizes=sends,
+            output_split_sizes=receives, chunks=chunks,
+        )  # fmt: skip
+        (y * gs[rank]).sum().backward()
+        name = f"grouped {dtype} sorted={sort} splits={sends}>{receives} rank {rank}"
+        for what, got, want in (("y", y.detach(), Y[rank]), ("dx", x.grad, X[rank].grad),
+                                ("dw", w.grad, W[rank].grad)):  # fmt: skip
+            if want is None:  # this rank has no rows: no path to its inputs in float64
+                want = torch.zeros(got.shape, dtype=torch.float64)
+            if want.numel() == 0 or not want.any():
+                why = None if got is not None and not got.any() else f"not zero: {got}"
+            else:
+                why = "None" if got is None else mismatch(got, want.detach(), TOL[dtype])
+            failures += [f"{name}: {what}: {why}"] if why else []
+        # without autograd, into a NaN-poisoned out
+        out = torch.full((sum(receives), N), float("nan"), dtype=dtype)
+        with torch.no_grad():
+            overlap.grouped_matmul_all_to_all(
+                xs[rank], ws[rank].transpose(1, 2), ids[rank], input_split_sizes=sends,
+                output_split_sizes=receives, chunks=chunks, out=out,
+            )  # fmt: skip
+        why = mismatch(out, Y[rank].detach(), TOL[dtype]) if out.numel() else None
+        failures += [f"{name}: out=: {why}"] if why else []
+    x, w = torch.randn(4, 8), torch.randn(2, 8, 5)
+    for args, text in (
+        ((x, w, torch.tensor([0, 1, 2, 0])), "expert_ids must lie in [0, 2)"),
+        ((x, w, torch.tensor([0, 1])), "one id per row"),
+        ((x, w, torch.zeros(4)), "integer tensor"),
+        ((x, w[0], torch.zeros(4, dtype=torch.long)), "[E, K, N]"),
+    ):
+        try:
+            splits = [4] + [0] * (R - 1)  # (every case raises before communicating)
+            overlap.grouped_matmul_all_to_all(*args, input_split_sizes=splits,
+                                              output_split_sizes=splits)  # fmt: skip
+            failures.append(f"{text}: no error")
+        except ValueError as e:
+            failures += [] if text in str(e) else [f"{text}: unclear error {e}"]
+    dist.barrier()
+    return failures
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_grouped_combine(world_size):
+    spawn(_grouped, world_size, random.randrange(1 << 30))

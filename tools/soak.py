@@ -81,7 +81,16 @@ def _one_call(rng, gen, dev, R):
     x = torch.randn(rows, K, device=dev, generator=gen, dtype=dtype)
     w = torch.randn(N, K, device=dev, generator=gen, dtype=dtype) / K**0.5
     w = w.t() if transposed else w.t().contiguous()
-    if splits is not None:
+    if splits is not None and rng.random() < 0.5:  # the MoE combine: two experts, w and -w
+        p = make_split_plan(*map(tuple, splits), N, K, chunks=chunks, transport="torch")
+        p = dataclasses.replace(p, collective="grouped all_to_all")  # its own key below
+        ids = torch.randint(0, 2, (rows,), device=dev, generator=gen).sort().values
+        got = overlap.grouped_matmul_all_to_all(
+            x, torch.stack([w, -w]), ids, input_split_sizes=splits[0],
+            output_split_sizes=splits[1], chunks=chunks,
+        )  # fmt: skip
+        x = x * (1 - 2 * ids[:, None]).to(x.dtype)  # the reference: rows of expert 1 negated
+    elif splits is not None:
         p = make_split_plan(*map(tuple, splits), N, K, chunks=chunks, transport="torch")
         p = dataclasses.replace(p, collective="all_to_all (uneven)")  # its own key below
         got = overlap.matmul_all_to_all(x, w, input_split_sizes=splits[0],
