@@ -16,6 +16,8 @@ from .context import release
 from .guard import RankMismatchError, configure
 from .ops import (
     all_gather_matmul,
+    all_to_all_grouped_matmul,
+    embedding_bag_all_to_all,
     grouped_matmul_all_to_all,
     matmul_all_to_all,
     matmul_allreduce,
@@ -33,6 +35,8 @@ __all__ = [
     "RankMismatchError",
     "Tuned",
     "all_gather_matmul",
+    "all_to_all_grouped_matmul",
+    "embedding_bag_all_to_all",
     "grouped_matmul_all_to_all",
     "configure",
     "matmul_all_to_all",

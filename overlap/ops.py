@@ -42,12 +42,21 @@ import os
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from . import guard
 from .collectives import OPS, collective
 from .comm import BACKENDS, choose
 from .context import Context, context, tuned, tuned_key
-from .plan import Plan, band_rows, make_plan, make_split_plan, splits_rows, tiles_for
+from .plan import (
+    DEFAULT_SPLIT_CHUNKS,
+    Plan,
+    band_rows,
+    make_plan,
+    make_split_plan,
+    splits_rows,
+    tiles_for,
+)
 from .signal import wait_counter
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -305,57 +314,129 @@ def _split_forward(x, w, group, out, backend, chunks, sends, receives, runs=None
     """``matmul_collective`` all-to-all with uneven splits (checked): cuBLAS computes the
     product chunk by chunk into the slot layout of ``plan.band_rows`` (chunk ``c``: band ``c``
     of every destination's block), an event after each; NCCL per chunk sends each chunk
-    once its event has passed (``NcclTransport.run_splits``). ``runs`` (``expert_runs``):
-    ``w`` is ``[E, K, N]`` and each run of rows uses its expert's matrix (the MoE combine)."""
+    once its event has passed (``NcclTransport.run_splits``); one gather puts the received
+    rows in order. ``runs`` (``ExpertRuns``): ``w`` is ``[E, K, N]`` and each run of rows
+    uses its expert's matrix (the MoE combine)."""
     M, K, N = math.prod(x.shape[:-1]), x.shape[-1], w.shape[-1]
-    transport = backend if backend in ("torch", "cupy") else "torch"  # (no copy engines)
-    p = make_split_plan(sends, receives, N, K, chunks=chunks, transport=transport)
-    shape = (sum(receives), N)
-    if out is None:
-        out = x.new_empty(shape)
-    else:
-        _check_out(out, shape, x)
     x2 = x.reshape(M, K)
-    if p.world_size == 1:
+    out = _split_out(out, (sum(receives), N), x)
+    call = _SplitCall(x, group, backend, chunks, sends, receives, N, K)
+    if call.ctx is None:
         _product(x2, w, out, slice(0, M), slice(0, M), runs)
         return out
-    ctx = context(group, x.device)
-    validating = guard.validating()
-    if validating:
-        guard.agree(group, guard.fingerprint(p, x.dtype, "sum"), p.describe(), p.splits)
-    t, n, s = ctx.transport(p.transport), p.n_chunks, ctx.comm_stream
-    y = x.new_empty(M, N)
-    caller = events = None
-    if s is not None:
-        caller, events = torch.cuda.current_stream(x.device), ctx.events(n)
-        s.wait_stream(caller)
+    p, s, n = call.plan, call.stream, call.plan.n_chunks
+    y, recv = x.new_empty(M, N), x.new_empty(sum(receives), N)
     try:
         for c, rows in enumerate(band_rows(sends, n)):
             for std, slot in rows:
                 _product(x2, w, y, std, slot, runs)
-            if events is not None:
-                events[c].record(caller)
-        wait = (lambda c: s.wait_event(events[c])) if s is not None else (lambda c: None)
-        t.run_splits(p, y, out, wait, s)
+            call.mark(c, call.caller)
+        call.transport.run_splits(p, y, recv, call.waiter(s), lambda c: None, s)
+        with torch.cuda.stream(s) if s is not None else contextlib.nullcontext():
+            order = call.transport.order(receives, n, x.device, to_slots=False)
+            torch.index_select(recv, 0, order, out=out)
     finally:
-        if s is not None:
-            caller.wait_stream(s)
-    if validating and s is not None and not _capturing(x):
-        guard.watch(s, t.abort, p.describe())
+        call.end(x)
     return out
 
 
-def _product(x2, w, y, std: slice, slot: slice, runs) -> None:
-    """``y[slot] = x2[std] @ w``; with ``runs``, row by row ``@ w[expert]``: one matmul per
-    run of equal expert ids within ``std``."""
-    if slot.stop == slot.start:
+def _dispatch_forward(x, w, group, out, backend, chunks, sends, receives, runs, keep):
+    """``all_to_all_grouped_matmul`` (checked): ``x`` put into the slot layout of the sends,
+    NCCL per chunk exchanges band ``c`` of every block, an event after each; the caller
+    stream waits for each chunk and multiplies its received rows (``runs``: ids of the
+    received rows) straight into ``out``. Returns ``(out, received x [sum(receives), K])``,
+    the second empty unless ``keep``."""
+    M, K, N = math.prod(x.shape[:-1]), x.shape[-1], w.shape[-1]
+    x2 = x.reshape(M, K)
+    rows = sum(receives)
+    out = _split_out(out, (rows, N), x)
+    call = _SplitCall(x, group, backend, chunks, sends, receives, N, K)
+    if call.ctx is None:
+        _product(x2, w, out, slice(0, M), slice(0, M), runs)
+        return out, (x2 if keep else x.new_empty(0))
+    p, s, n = call.plan, call.stream, call.plan.n_chunks
+    t = call.transport
+    recv = x.new_empty(rows, K)
+    try:
+        send = x2.index_select(0, t.order(sends, n, x.device, to_slots=True))
+        if s is not None:
+            s.wait_stream(call.caller)  # `send` is made on the caller stream
+        t.run_splits(p, send, recv, lambda c: None, lambda c: call.mark(c, s), s)
+        for c, bands in enumerate(band_rows(receives, n)):
+            call.waiter(call.caller)(c)
+            for std, slot in bands:
+                _product(recv, w, out, slot, std, runs, ids_at_dst=True)
+        full = recv.index_select(0, t.order(receives, n, x.device, to_slots=False)) if keep \
+            else x.new_empty(0)  # fmt: skip
+    finally:
+        call.end(x)
+    return out, full
+
+
+def _split_out(out, shape, x) -> torch.Tensor:
+    if out is None:
+        return x.new_empty(shape)
+    _check_out(out, shape, x)
+    return out
+
+
+class _SplitCall:
+    """What an uneven all-to-all call of either direction sets up: its plan (validated when
+    validation is on), and off world size 1 the context, transport, streams and events
+    (``ctx`` is None at world size 1)."""
+
+    def __init__(self, x, group, backend, chunks, sends, receives, N, K) -> None:
+        transport = backend if backend in ("torch", "cupy") else "torch"  # (no copy engines)
+        self.plan = make_split_plan(sends, receives, N, K, chunks=chunks, transport=transport)
+        self.ctx = self.stream = self.caller = self.events = None
+        if self.plan.world_size == 1:
+            return
+        self.ctx = context(group, x.device)
+        self.validating = guard.validating()
+        if self.validating:
+            p = self.plan
+            guard.agree(group, guard.fingerprint(p, x.dtype, "sum"), p.describe(), p.splits)
+        self.transport = self.ctx.transport(transport)
+        self.stream = self.ctx.comm_stream
+        if self.stream is not None:
+            self.caller = torch.cuda.current_stream(x.device)
+            self.events = self.ctx.events(self.plan.n_chunks)
+            self.stream.wait_stream(self.caller)
+
+    def mark(self, c: int, stream) -> None:
+        """Chunk ``c`` is done on ``stream`` (an event; nothing on CPU)."""
+        if self.events is not None:
+            self.events[c].record(stream)
+
+    def waiter(self, stream):
+        """``wait(c)``: ``stream`` waits for chunk ``c``'s mark."""
+        if stream is None:
+            return lambda c: None
+        return lambda c: stream.wait_event(self.events[c])
+
+    def end(self, x) -> None:
+        """The caller waits for the communication stream; validation mode's watch."""
+        if self.stream is None:
+            return
+        self.caller.wait_stream(self.stream)
+        if self.validating and not _capturing(x):
+            guard.watch(self.stream, self.transport.abort, self.plan.describe())
+
+
+def _product(x2, w, y, src: slice, dst: slice, runs, ids_at_dst: bool = False) -> None:
+    """``y[dst] = x2[src] @ w`` (equal lengths); with ``runs``, row by row ``@ w[expert]``:
+    one matmul per run of equal expert ids, which index the source rows (or with
+    ``ids_at_dst`` the destination rows)."""
+    if dst.stop == dst.start:
         return
     if runs is None:
-        torch.matmul(x2[std], w, out=y[slot])
+        torch.matmul(x2[src], w, out=y[dst])
         return
-    shift = slot.start - std.start
-    for a, b, e in runs.within(std.start, std.stop):
-        torch.matmul(x2[a:b], w[e], out=y[a + shift : b + shift])
+    at, other = (dst, src) if ids_at_dst else (src, dst)
+    shift = other.start - at.start
+    for a, b, e in runs.within(at.start, at.stop):
+        ya, xa = (a, a + shift) if ids_at_dst else (a + shift, a)
+        torch.matmul(x2[xa : xa + b - a], w[e], out=y[ya : ya + b - a])
 
 
 class ExpertRuns:
@@ -852,16 +933,8 @@ def grouped_matmul_all_to_all(
         TypeError, ValueError: wrong types, dtypes, devices or shapes (naming the argument),
             splits that do not fit (``matmul_collective``), expert ids out of range.
     """
-    if not isinstance(w, torch.Tensor) or w.dim() != 3 or w.shape[0] < 1:
-        raise ValueError(f"w must be [E, K, N] with E >= 1, got {getattr(w, 'shape', w)}")
-    _check(x, w[0], "all_to_all", "sum", backend, group)
-    if not isinstance(expert_ids, torch.Tensor) or expert_ids.is_floating_point() or (
-        expert_ids.numel() != math.prod(x.shape[:-1])
-    ):  # fmt: skip
-        got = getattr(expert_ids, "shape", expert_ids)
-        raise ValueError(f"expert_ids must be an integer tensor with one id per row of x "
-                         f"({math.prod(x.shape[:-1])}), got {got}")  # fmt: skip
-    sends, receives = _check_splits(x, "all_to_all", input_split_sizes, output_split_sizes, group)
+    sends, receives = _check_grouped(x, w, expert_ids, input_split_sizes, output_split_sizes,
+                                     backend, group, received=False)  # fmt: skip
     gname = _via_op(x, w, out, group)
     if gname is not None:
         return torch.ops.overlap.grouped_matmul_all_to_all(
@@ -893,10 +966,12 @@ def _grouped_backward_op(
     sends: list[int], receives: list[int], need_dx: bool, need_dw: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``(dx, dw)`` of ``grouped_matmul_all_to_all`` (empty where not needed): the result's
-    gradient sent back (the inverse all-to-all), then per run of an expert's rows."""
+    gradient sent back (the inverse all-to-all), then per run of an expert's rows. Empty
+    ``sends``: no exchange (``x`` are the dispatch's received rows, ``g`` theirs)."""
     pg = _group(group)
     g2 = g.reshape(-1, w.shape[-1]).contiguous()
-    gp = collective("all_to_all").backward(g2, pg, (sends, receives)) if _world(pg) > 1 else g2
+    exchange = sends and _world(pg) > 1  # (empty splits: the dispatch's rows, no exchange)
+    gp = collective("all_to_all").backward(g2, pg, (sends, receives)) if exchange else g2
     x2 = x.reshape(-1, x.shape[-1])
     dx = torch.empty_like(x2) if need_dx else x.new_empty(0)
     dw = torch.zeros_like(w) if need_dw else w.new_empty(0)
@@ -927,3 +1002,359 @@ def _grouped_backward(ctx, g):
 
 
 _grouped_op.register_autograd(_grouped_backward, setup_context=_grouped_setup)
+
+
+def _check_grouped(x, w, expert_ids, sends, receives, backend, group, received: bool):
+    """The checks of the two MoE ops; ``expert_ids`` has one id per row of ``x``, or with
+    ``received`` per received row. Returns the splits as tuples."""
+    if not isinstance(w, torch.Tensor) or w.dim() != 3 or w.shape[0] < 1:
+        raise ValueError(f"w must be [E, K, N] with E >= 1, got {getattr(w, 'shape', w)}")
+    _check(x, w[0], "all_to_all", "sum", backend, group)
+    splits = _check_splits(x, "all_to_all", sends, receives, group)
+    rows = sum(splits[1]) if received else math.prod(x.shape[:-1])
+    what = "received row" if received else "row of x"
+    if not isinstance(expert_ids, torch.Tensor) or expert_ids.is_floating_point() or (
+        expert_ids.numel() != rows
+    ):  # fmt: skip
+        got = getattr(expert_ids, "shape", expert_ids)
+        raise ValueError(
+            f"expert_ids must be an integer tensor with one id per {what} ({rows}), got {got}"
+        )
+    return splits
+
+
+def all_to_all_grouped_matmul(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    expert_ids: torch.Tensor,
+    *,
+    input_split_sizes: list[int],
+    output_split_sizes: list[int],
+    group: dist.ProcessGroup | None = None,
+    out: torch.Tensor | None = None,
+    backend: str = "auto",
+    chunks: int | None = None,
+) -> torch.Tensor:
+    """The MoE dispatch: an uneven all-to-all of the tokens, then every received row through
+    its local expert, overlapped band by band (each band multiplied as soon as it has
+    arrived; the mirror of ``grouped_matmul_all_to_all``).
+
+    Equals ``y[i] = r[i] @ w[expert_ids[i]]`` with
+    ``r = all_to_all_single(x, output_split_sizes, input_split_sizes)``.
+
+    Args:
+        x: ``[M, K]`` (leading dims flattened), rows ordered by destination rank.
+        w: ``[E, K, N]``, this rank's experts (any strides in the last two dims).
+        expert_ids: ``[sum(output_split_sizes)]`` integer tensor: the local expert of each
+            *received* row, in the received order (block ``s`` from rank ``s``). Read on the
+            host once per call; sorted by expert within each source's block is fastest.
+        input_split_sizes, output_split_sizes, group, out, backend, chunks: as in
+            ``grouped_matmul_all_to_all``.
+
+    Returns:
+        ``[sum(output_split_sizes), N]``. Differentiable in ``x`` and ``w`` (the backward
+        multiplies per expert, then sends ``dx`` back; plain torch ops); a custom op under
+        ``torch.compile``.
+
+    Raises:
+        TypeError, ValueError: as ``grouped_matmul_all_to_all``'s.
+    """
+    sends, receives = _check_grouped(x, w, expert_ids, input_split_sizes, output_split_sizes,
+                                     backend, group, received=True)  # fmt: skip
+    gname = _via_op(x, w, out, group)
+    if gname is not None:
+        return torch.ops.overlap.all_to_all_grouped_matmul(
+            x, w, expert_ids, gname, backend, chunks, list(sends), list(receives),
+            _needs_grad(x, w),
+        )[0]  # fmt: skip
+    runs = ExpertRuns(expert_ids, w.shape[0])
+    return _dispatch_forward(x, w, group, out, backend, chunks, sends, receives, runs, False)[0]
+
+
+@torch.library.custom_op("overlap::all_to_all_grouped_matmul", mutates_args=())
+def _dispatch_op(
+    x: torch.Tensor, w: torch.Tensor, expert_ids: torch.Tensor, group: str, backend: str,
+    chunks: int | None, sends: list[int], receives: list[int], keep: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``all_to_all_grouped_matmul`` as a custom op: ``(result, received x)`` (the second
+    empty unless ``keep``: the weight gradient needs it)."""
+    runs = ExpertRuns(expert_ids, w.shape[0])
+    return _dispatch_forward(x, w, _group(group), None, backend, chunks, tuple(sends),
+                             tuple(receives), runs, keep)  # fmt: skip
+
+
+@_dispatch_op.register_fake
+def _(x, w, expert_ids, group, backend, chunks, sends, receives, keep):
+    rows = sum(receives)
+    return x.new_empty(rows, w.shape[-1]), x.new_empty((rows, x.shape[-1]) if keep else 0)
+
+
+def _dispatch_setup(ctx, inputs, output) -> None:
+    x, w, expert_ids, ctx.group, _, _, ctx.sends, ctx.receives, _ = inputs
+    ctx.x_shape = x.shape
+    ctx.save_for_backward(output[1], w, expert_ids)
+    ctx.set_materialize_grads(False)
+
+
+def _dispatch_backward(ctx, g, _g_received):
+    received, w, expert_ids = ctx.saved_tensors
+    need_dx, need_dw = ctx.needs_input_grad[:2]
+    if g is None:
+        return (None,) * 9
+    # the combine's backward of the received rows, exchanged the other way
+    dz, dw = _grouped_backward_op(g, received, w, expert_ids, ctx.group, [], [], need_dx,
+                                  need_dw)  # fmt: skip
+    dx = None
+    if need_dx:
+        dx = torch.ops.overlap.all_to_all_back(dz, ctx.group, ctx.sends, ctx.receives)
+        dx = dx.reshape(ctx.x_shape)
+    return (dx, dw if need_dw else None, *([None] * 7))
+
+
+@torch.library.custom_op("overlap::all_to_all_back", mutates_args=())
+def _all_to_all_back(
+    g: torch.Tensor, group: str, sends: list[int], receives: list[int]
+) -> torch.Tensor:
+    """The gradient of the uneven exchange: ``g`` (received rows) sent back to their
+    senders, ``[sum(sends), K]``."""
+    return collective("all_to_all").backward(g.contiguous(), _group(group), (sends, receives))
+
+
+@_all_to_all_back.register_fake
+def _(g, group, sends, receives):
+    return g.new_empty(sum(sends), g.shape[-1])
+
+
+_dispatch_op.register_autograd(_dispatch_backward, setup_context=_dispatch_setup)
+
+
+_BAG_MODES = ("sum", "mean", "max")
+
+
+def embedding_bag_all_to_all(
+    tables: list[torch.Tensor],
+    indices: list[torch.Tensor],
+    offsets: list[torch.Tensor],
+    *,
+    group: dist.ProcessGroup | None = None,
+    mode: str = "sum",
+    rank_dims: list[int] | None = None,
+    backend: str = "auto",
+    chunks: int | None = None,
+) -> torch.Tensor:
+    """Model-parallel embedding tables (table-wise sharding) and the all-to-all over batch
+    slices, overlapped: the pooled vectors of every destination's bags travel band by band.
+
+    Rank ``r`` holds ``tables`` and pools them over the global batch of ``B`` bags; the result
+    on every rank is its batch slice ``[B / R, D_all]``, column block ``s`` holding rank
+    ``s``'s tables' pooled vectors in its table order. Equals ``embedding_bag`` per table,
+    concatenated along columns, then ``all_to_all_single`` over batch slices.
+
+    Args:
+        tables: this rank's tables ``[rows_t, D_t]``, one dtype and device.
+        indices, offsets: one pair per table, ``embedding_bag``'s 1-D format; every
+            ``offsets`` has ``B`` entries (the same ``B`` on every rank, divisible by ``R``).
+            ``offsets`` is read on the host once per call.
+        group, backend, chunks: as in ``matmul_collective`` (NCCL per chunk only; default 4
+            chunks).
+        mode: ``"sum"``, ``"mean"`` or ``"max"`` (``embedding_bag``'s).
+        rank_dims: every rank's ``sum(D_t)``; None asks the ranks (a host collective every
+            call: pass it where it is known).
+
+    Returns:
+        ``[B / R, D_all]``. Differentiable in the tables (the gradient is sent back, then
+        ``embedding_bag``'s own backward); a custom op under ``torch.compile``.
+
+    Raises:
+        TypeError, ValueError: naming the argument (types, shapes, modes, ``B`` not
+            divisible by ``R``, ``rank_dims`` that disagree with the tables).
+    """
+    R, rank = _world(group), (dist.get_rank(group) if _world(group) > 1 else 0)
+    B = _check_bags(tables, indices, offsets, mode, backend, group, R)
+    D = sum(t.shape[1] for t in tables)
+    if rank_dims is None:
+        rank_dims = [D]
+        if R > 1:
+            rank_dims = [None] * R
+            dist.all_gather_object(rank_dims, D, group=group)
+    if len(rank_dims) != R or rank_dims[rank] != D:
+        raise ValueError(f"rank_dims must hold every rank's sum of table widths ({R} ints, "
+                         f"this rank's {D}), got {rank_dims!r}")  # fmt: skip
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in tables)
+    if grad or torch.compiler.is_compiling():
+        gname = "" if group is None else group.group_name
+        return torch.ops.overlap.embedding_bag_all_to_all(
+            tables, indices, offsets, gname, mode, list(rank_dims), backend, chunks
+        )
+    return _bags_forward(
+        tables, indices, offsets, group, mode, tuple(rank_dims), backend, chunks, B
+    )
+
+
+def _check_bags(tables, indices, offsets, mode, backend, group, R) -> int:
+    """The embedding-bag op's checks; returns ``B``."""
+    check_group(group)
+    if not isinstance(tables, (list, tuple)) or not tables:
+        raise TypeError("tables must be a non-empty list of [rows, D] tensors")
+    for name, seq in (("indices", indices), ("offsets", offsets)):
+        if not isinstance(seq, (list, tuple)) or len(seq) != len(tables):
+            raise ValueError(f"{name} must be a list with one tensor per table ({len(tables)})")
+    if mode not in _BAG_MODES:
+        raise ValueError(f"mode must be one of {_BAG_MODES}, got {mode!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    t0 = tables[0]
+    for t, i, o in zip(tables, indices, offsets, strict=True):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.dtype not in _DTYPES:
+            raise TypeError(f"tables must be 2-D float tensors, got {getattr(t, 'shape', t)}")
+        if t.dtype != t0.dtype or t.device != t0.device:
+            raise ValueError("tables must share one dtype and device")
+        for name, v in (("indices", i), ("offsets", o)):
+            if not isinstance(v, torch.Tensor) or v.dim() != 1 or v.is_floating_point():
+                raise ValueError(f"{name} must hold 1-D integer tensors")
+    B = offsets[0].numel()
+    if any(o.numel() != B for o in offsets):
+        raise ValueError("offsets must have the same number of bags (B) for every table")
+    if B % R:
+        raise ValueError(f"the batch ({B} bags) must be divisible by the world size ({R})")
+    return B
+
+
+def _bags_forward(tables, indices, offsets, group, mode, rank_dims, backend, chunks, B):
+    """``embedding_bag_all_to_all`` of checked arguments, without autograd: band ``c`` of
+    every destination's batch slice pooled into chunk ``c``'s send slot ``[R, h, D]``, an
+    event after each, one ``all_to_all_single`` per chunk (``run_splits`` on the flattened
+    slots, ``N = 1``), the received blocks copied into their columns."""
+    R, D = len(rank_dims), sum(t.shape[1] for t in tables)
+    b, t0 = B // R, tables[0]
+    cuts = [o.to("cpu").tolist() + [i.numel()] for o, i in zip(offsets, indices, strict=True)]
+
+    def pool(lo: int, hi: int) -> torch.Tensor:  # bags [lo, hi) of every table: [hi - lo, D]
+        parts = []
+        for t, i, c in zip(tables, indices, cuts, strict=True):
+            o = torch.tensor(c[lo:hi], device=i.device) - c[lo]
+            parts.append(F.embedding_bag(i[c[lo] : c[hi]], t, o, mode=mode))
+        return torch.cat(parts, dim=1)
+
+    if R == 1:
+        return pool(0, B)
+    n = chunks or DEFAULT_SPLIT_CHUNKS
+    bands = [(c * b // n, (c + 1) * b // n) for c in range(n)]
+    # per chunk, elements (rows of width 1) received from and sent to every rank
+    layout = [([(hi - lo) * d for d in rank_dims], [(hi - lo) * D] * R) for lo, hi in bands]
+    sends, receives = tuple(b * D for _ in range(R)), tuple(b * d for d in rank_dims)
+    call = _SplitCall(t0, group, backend, n, sends, receives, 1, 0)
+    p, s, out = call.plan, call.stream, t0.new_empty(b, sum(rank_dims))
+    send, recv = t0.new_empty(B * D, 1), t0.new_empty(b * sum(rank_dims), 1)
+    starts = [sum(rank_dims[:s_]) for s_ in range(R)]
+    try:
+        at = 0
+        for c, (lo, hi) in enumerate(bands):
+            h = hi - lo
+            for j in range(R):  # band c of destination j's slice
+                send[at : at + h * D].view(h, D).copy_(pool(j * b + lo, j * b + hi))
+                at += h * D
+            call.mark(c, call.caller)
+        call.transport.run_splits(p, send, recv, call.waiter(s), lambda c: None, s, layout)
+        with torch.cuda.stream(s) if s is not None else contextlib.nullcontext():
+            at = 0
+            for lo, hi in bands:
+                for s_, d in enumerate(rank_dims):
+                    piece = recv[at : at + (hi - lo) * d].view(hi - lo, d)
+                    out[lo:hi, starts[s_] : starts[s_] + d] = piece
+                    at += (hi - lo) * d
+    finally:
+        call.end(t0)
+    return out
+
+
+@torch.library.custom_op("overlap::embedding_bag_all_to_all", mutates_args=())
+def _bags_op(
+    tables: list[torch.Tensor], indices: list[torch.Tensor], offsets: list[torch.Tensor],
+    group: str, mode: str, rank_dims: list[int], backend: str, chunks: int | None,
+) -> torch.Tensor:  # fmt: skip
+    """``embedding_bag_all_to_all`` as a custom op (``group``: its name, "" for None)."""
+    B = offsets[0].numel()
+    return _bags_forward(tables, indices, offsets, _group(group), mode, tuple(rank_dims),
+                         backend, chunks, B)  # fmt: skip
+
+
+@_bags_op.register_fake
+def _(tables, indices, offsets, group, mode, rank_dims, backend, chunks):
+    return tables[0].new_empty(offsets[0].shape[0] // len(rank_dims), sum(rank_dims))
+
+
+@torch.library.custom_op("overlap::embedding_bag_all_to_all_backward", mutates_args=())
+def _bags_backward_op(
+    g: torch.Tensor, tables: list[torch.Tensor], indices: list[torch.Tensor],
+    offsets: list[torch.Tensor], group: str, mode: str, rank_dims: list[int],
+) -> list[torch.Tensor]:  # fmt: skip
+    """The tables' gradients: ``g [B / R, D_all]`` sent back (rank ``s`` gets its columns of
+    every batch slice: ``[B, D_s]``), then ``embedding_bag``'s own backward per table."""
+    pg, R = _group(group), len(rank_dims)
+    D = sum(t.shape[1] for t in tables)
+    b = g.shape[0]
+    full = g
+    if R > 1:
+        starts = [sum(rank_dims[:s]) for s in range(R)]
+        send = torch.cat(
+            [g[:, a : a + d].reshape(-1) for a, d in zip(starts, rank_dims, strict=True)]
+        )
+        recv = g.new_empty(R * b * D)
+        dist.all_to_all_single(recv, send, [b * D] * R, [b * d for d in rank_dims], group=pg)
+        full = recv.view(R * b, D)
+    grads, at = [], 0
+    for t, i, o in zip(tables, indices, offsets, strict=True):
+        grads.append(_bag_grad(t, i, o, full[:, at : at + t.shape[1]], mode))
+        at += t.shape[1]
+    return grads
+
+
+def _bag_grad(t, idx, off, g, mode: str) -> torch.Tensor:
+    """``embedding_bag``'s gradient for its table ``t`` from the pooled gradient ``g [B, D]``
+    (a custom op's body runs without autograd, so it is written out): each index gets its
+    bag's gradient (``"mean"``: over the bag's size); ``"max"``: only the first row holding
+    the bag's maximum, per column."""
+    acc = torch.zeros(t.shape, dtype=torch.float32, device=t.device)
+    L, (B, D) = idx.numel(), g.shape
+    if L == 0:
+        return acc.to(t.dtype)
+    pos = torch.arange(L, device=t.device)
+    bag = torch.searchsorted(off.to(t.device), pos, right=True) - 1
+    g = g.float()
+    if mode != "max":
+        part = g[bag]
+        if mode == "mean":
+            part /= torch.bincount(bag, minlength=B).clamp_min(1)[bag, None]
+        return acc.index_add_(0, idx, part).to(t.dtype)
+    vals, where = t[idx].float(), bag[:, None].expand(-1, D)
+    best = torch.full((B, D), float("-inf"), device=t.device).scatter_reduce(0, where, vals, "amax")
+    candidates = torch.where(vals == best[bag], pos[:, None], L)
+    first = torch.full((B, D), L, device=t.device).scatter_reduce(0, where, candidates, "amin")
+    hit = first < L
+    cols = torch.arange(D, device=t.device).expand(B, -1)
+    acc.index_put_((idx[first[hit]], cols[hit]), g[hit], accumulate=True)
+    return acc.to(t.dtype)
+
+
+@_bags_backward_op.register_fake
+def _(g, tables, indices, offsets, group, mode, rank_dims):
+    return [torch.empty_like(t) for t in tables]
+
+
+def _bags_setup(ctx, inputs, output) -> None:
+    tables, indices, offsets, ctx.group, ctx.mode, ctx.rank_dims = inputs[:6]
+    ctx.n = len(tables)
+    ctx.save_for_backward(*tables, *indices, *offsets)
+
+
+def _bags_backward(ctx, g):
+    saved, n = ctx.saved_tensors, ctx.n
+    tables, indices, offsets = saved[:n], saved[n : 2 * n], saved[2 * n :]
+    grads = _bags_backward_op(g.contiguous(), list(tables), list(indices), list(offsets),
+                              ctx.group, ctx.mode, ctx.rank_dims)  # fmt: skip
+    nones = [None] * n
+    return grads, nones, nones, None, None, None, None, None
+
+
+_bags_op.register_autograd(_bags_backward, setup_context=_bags_setup)

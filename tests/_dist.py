@@ -239,8 +239,9 @@ def fault_scenarios(rank: int, R: int, scenario: str, device: str) -> list[str]:
       gloo at once (the connection closes; validation off), NCCL through validation mode's
       watch (5 s timeout, then the communicator is aborted).
     - ``killed_mid_gather``: the same inside ``all_gather_matmul``'s second chunk.
-    - ``killed_mid_split``, ``killed_mid_grouped``: the same inside the second chunk of an
-      uneven all-to-all, or of the MoE combine.
+    - ``killed_mid_split``, ``killed_mid_grouped``, ``killed_mid_dispatch``,
+      ``killed_mid_bags``: the same inside the second chunk of an uneven all-to-all, of the
+      MoE combine, of the MoE dispatch, or of the embedding-bag all-to-all.
     - ``killed_mid_call_ce``: the same through the copy-engine transport (GPU only): rank 1
       exits before pushing its second band, for which rank 0's GEMM waits in its epilogue;
       rank 0's watch releases the waits (flags written from a side stream) and raises.
@@ -297,19 +298,14 @@ def fault_scenarios(rank: int, R: int, scenario: str, device: str) -> list[str]:
     elif scenario.startswith("killed_mid_"):
         validate = device != "cpu"
         backend = "ce" if scenario.endswith("_ce") else "torch"
-        gather, split = (
-            scenario == "killed_mid_gather",
-            scenario in ("killed_mid_split", "killed_mid_grouped"),
-        )
+        gather = scenario == "killed_mid_gather"
+        split = scenario in ("killed_mid_split", "killed_mid_grouped", "killed_mid_dispatch",
+                             "killed_mid_bags")  # fmt: skip
         overlap.configure(validate=validate, timeout=5)
         if rank == 1 and backend == "torch":
             calls = [0]
-            gathers = {"killed_mid_gather": "all_gather_into_tensor"}
-            splits = {
-                "killed_mid_split": "all_to_all_single",
-                "killed_mid_grouped": "all_to_all_single",
-            }
-            name = {**gathers, **splits}.get(scenario, "all_reduce")
+            name = "all_gather_into_tensor" if gather else "all_to_all_single" if split \
+                else "all_reduce"  # fmt: skip
             orig = getattr(dist, name)
 
             def dying(*a, **k):
@@ -343,9 +339,14 @@ def fault_scenarios(rank: int, R: int, scenario: str, device: str) -> list[str]:
             elif split:  # rank 0 sends 100 rows to itself and 150 to rank 1, and back
                 splits = [100, 150] if rank == 0 else [150, 100]
                 kw = dict(input_split_sizes=splits, output_split_sizes=splits, chunks=4)
-                if scenario == "killed_mid_grouped":  # two experts, alternating rows
-                    ids = torch.arange(250, device=dev) % 2
+                ids = torch.arange(250, device=dev) % 2  # two experts, alternating rows
+                if scenario == "killed_mid_grouped":
                     overlap.grouped_matmul_all_to_all(x[:250], torch.stack([w, w]), ids, **kw)
+                elif scenario == "killed_mid_dispatch":
+                    overlap.all_to_all_grouped_matmul(x[:250], torch.stack([w, w]), ids, **kw)
+                elif scenario == "killed_mid_bags":  # M bags of one row of x each
+                    bags = torch.arange(M, device=dev)
+                    overlap.embedding_bag_all_to_all([x], [bags], [bags], chunks=4)
                 else:
                     overlap.matmul_all_to_all(x[:250], w, **kw)
             else:

@@ -296,6 +296,8 @@ def test_streams_wrap_and_specials(monkeypatch):
         "killed_mid_gather",
         "killed_mid_split",
         "killed_mid_grouped",
+        "killed_mid_dispatch",
+        "killed_mid_bags",
     ],
 )
 def test_faults_raise_instead_of_hanging(scenario, monkeypatch):
@@ -610,3 +612,59 @@ def _gather_one_gpu(rank, R, seed):
 def test_all_gather_host_road_one_gpu(monkeypatch):
     """One GPU: ``all_gather_matmul`` and its backward through the host road."""
     _on_host_road(monkeypatch, _gather_one_gpu)
+
+
+def _uneven_one_gpu(rank, R, seed):
+    """2 ranks on GPU 0 over gloo: the uneven all-to-all, the MoE combine and dispatch and the
+    embedding-bag all-to-all on CUDA tensors (their producers on the caller stream, an
+    event per chunk, the exchanges on the communication stream), against float64."""
+    import torch.nn.functional as F
+
+    import overlap
+
+    torch.cuda.set_device(0)
+    dev, failures = "cuda:0", []
+    g = torch.Generator().manual_seed(seed)
+    S = [[300, 1000], [0, 700]]  # rows rank a sends rank b
+    sends, receives = S[rank], [S[a][rank] for a in range(R)]
+    K, N, E = 512, 768, 3
+    xs = [torch.randn(sum(S[a]), K, generator=g).to(dev, torch.bfloat16) for a in range(R)]
+    ws = [(torch.randn(E, K, N, generator=g) / K**0.5).to(dev, torch.bfloat16) for _ in range(R)]
+    kw = dict(input_split_sizes=sends, output_split_sizes=receives, chunks=4)
+
+    def take(blocks, b):  # rank b's received rows, block a from rank a
+        return torch.cat([blocks[a][sum(S[a][:b]) : sum(S[a][: b + 1])] for a in range(R)])
+
+    ids_x = [torch.randint(0, E, (sum(S[a]),), generator=g).sort().values for a in range(R)]
+    ids_r = [torch.randint(0, E, (sum(S[a][b] for a in range(R)),), generator=g) for b in range(R)]
+    X = [x.double() for x in xs]
+    W = [w.double() for w in ws]
+    per_row = lambda x, w, ids: torch.stack([x[i] @ w[ids[i]] for i in range(len(ids))])  # noqa: E731
+    x, w = xs[rank], ws[rank]
+    combine = overlap.grouped_matmul_all_to_all(x, w, ids_x[rank].to(dev), **kw)
+    dispatch = overlap.all_to_all_grouped_matmul(x, w, ids_r[rank].to(dev), **kw)
+    checks = {
+        "uneven": (overlap.matmul_all_to_all(x, w[0], **kw),
+                   take([X[a] @ W[a][0] for a in range(R)], rank)),
+        "combine": (combine, take([per_row(X[a], W[a], ids_x[a]) for a in range(R)], rank)),
+        "dispatch": (dispatch, per_row(take(X, rank), W[rank], ids_r[rank])),
+    }  # fmt: skip
+    tables = [torch.randn(5000, 64 * (1 + r), generator=g).to(dev) for r in range(R)]
+    sizes = [torch.randint(0, 6, (2048,), generator=g) for _ in range(R)]
+    idx = [torch.randint(0, 5000, (int(s.sum()),), generator=g) for s in sizes]
+    off = [torch.cumsum(s, 0) - s for s in sizes]
+    got = overlap.embedding_bag_all_to_all(
+        [tables[rank]], [idx[rank].to(dev)], [off[rank].to(dev)], rank_dims=[64, 128], chunks=3
+    )
+    pooled = [F.embedding_bag(idx[r].to(dev), tables[r].double(), off[r].to(dev), mode="sum")
+              for r in range(R)]  # fmt: skip
+    checks["embedding"] = (got, torch.cat([p[rank * 1024 : (rank + 1) * 1024] for p in pooled], 1))
+    for name, (got, want) in checks.items():
+        why = mismatch(got, want, TOL[got.dtype])
+        failures += [f"{name} rank {rank}: {why}"] if why else []
+    return failures
+
+
+def test_uneven_ops_one_gpu(monkeypatch):
+    """One GPU: the uneven all-to-all and the MoE and embedding ops on CUDA tensors."""
+    _on_host_road(monkeypatch, _uneven_one_gpu)

@@ -23,6 +23,8 @@ from overlap.signal import ChunkCounters
         "killed_mid_gather",
         "killed_mid_split",
         "killed_mid_grouped",
+        "killed_mid_dispatch",
+        "killed_mid_bags",
     ],
 )
 def test_faults_raise_instead_of_hanging(scenario):

@@ -240,3 +240,70 @@ def _grouped(rank, R, seed):
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_grouped_combine(world_size):
     spawn(_grouped, world_size, random.randrange(1 << 30))
+
+
+def _dispatch(rank, R, seed):
+    """``all_to_all_grouped_matmul`` (the MoE dispatch): the uneven exchange of the tokens,
+    then every received row through its local expert; forward (NaN-poisoned ``out``) and
+    backward against float64, compiled once with autograd."""
+    failures = []
+    for i, (dtype, sort, chunks, compiled) in enumerate((
+        (torch.float32, True, None, False), (torch.float32, False, 3, False),
+        (torch.float16, True, 2, False), (torch.float32, True, 2, True),
+    )):  # fmt: skip
+        g = torch.Generator().manual_seed(seed + i)
+        S = _routing(R, g)
+        K, N, E = 20, 28, 3
+        xs = [torch.randn(sum(S[a]), K, generator=g).to(dtype) for a in range(R)]
+        ws = [torch.randn(E, N, K, generator=g).to(dtype) for _ in range(R)]
+        ids = []  # of the received rows, block s from rank s
+        for b in range(R):
+            blocks = [torch.randint(0, E - 1, (S[a][b],), generator=g) for a in range(R)]
+            ids.append(torch.cat([t.sort().values if sort else t for t in blocks]).long())
+        gs = [torch.randn(len(ids[b]), N, generator=g).to(dtype) for b in range(R)]
+        X = [x.double().requires_grad_() for x in xs]
+        W = [w.double().requires_grad_() for w in ws]
+        recv = [torch.cat([X[a][sum(S[a][:b]) : sum(S[a][: b + 1])] for a in range(R)])
+                for b in range(R)]  # fmt: skip
+        Y = [torch.stack([recv[b][r] @ W[b][ids[b][r]].t() for r in range(len(ids[b]))])
+             if len(ids[b]) else recv[b].new_zeros(0, N) for b in range(R)]  # fmt: skip
+        sum((Y[b] * gs[b].double()).sum() for b in range(R)).backward()
+        sends, receives = S[rank], [S[a][rank] for a in range(R)]
+        kw = dict(input_split_sizes=sends, output_split_sizes=receives, chunks=chunks)
+        fn = overlap.all_to_all_grouped_matmul
+        if compiled:
+            fn = torch.compile(fn, fullgraph=True, backend="aot_eager")
+        x, w = xs[rank].clone().requires_grad_(), ws[rank].clone().requires_grad_()
+        y = fn(x, w.transpose(1, 2), ids[rank], **kw)
+        (y * gs[rank]).sum().backward()
+        name = f"dispatch {dtype} sorted={sort} compiled={compiled} {sends}>{receives} rank {rank}"
+        for what, got, want in (("y", y.detach(), Y[rank]), ("dx", x.grad, X[rank].grad),
+                                ("dw", w.grad, W[rank].grad)):  # fmt: skip
+            if want is None:  # no path in float64 (nothing sent or received)
+                want = torch.zeros(got.shape, dtype=torch.float64)
+            if not want.any():
+                why = None if got is not None and not got.any() else f"not zero: {got}"
+            else:
+                why = "None" if got is None else mismatch(got, want.detach(), TOL[dtype])
+            failures += [f"{name}: {what}: {why}"] if why else []
+        out = torch.full((len(ids[rank]), N), float("nan"), dtype=dtype)
+        with torch.no_grad():
+            overlap.all_to_all_grouped_matmul(xs[rank], ws[rank].transpose(1, 2), ids[rank],
+                                              out=out, **kw)  # fmt: skip
+        why = mismatch(out, Y[rank].detach(), TOL[dtype]) if out.numel() else None
+        failures += [f"{name}: out=: {why}"] if why else []
+    try:  # ids are per received row here
+        splits = [4] + [0] * (R - 1)
+        three = torch.zeros(3, dtype=torch.long)
+        kw = dict(input_split_sizes=splits, output_split_sizes=splits)
+        overlap.all_to_all_grouped_matmul(torch.randn(4, 8), torch.randn(2, 8, 5), three, **kw)
+        failures.append("3 ids for 4 received rows: no error")
+    except ValueError as e:
+        failures += [] if "per received row (4)" in str(e) else [f"unclear error {e}"]
+    dist.barrier()
+    return failures
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_dispatch(world_size):
+    spawn(_dispatch, world_size, random.randrange(1 << 30))

@@ -1,5 +1,6 @@
 """Soak run: thousands of overlapped calls with mixed shapes, collectives (the all-gather's
-``all_gather_matmul`` too), dtypes, chunk counts and ops, every result checked against the
+``all_gather_matmul``, the uneven all-to-all, the MoE ops and the embedding-bag all-to-all
+too), dtypes, chunk counts and ops, every result checked against the
 plain torch path in fp32, memory tracked.
 
     torchrun --nproc-per-node=2 tools/soak.py --seconds 90 --out soak.json
@@ -62,9 +63,34 @@ def _reference(x, w, collective, op, R, splits=None):
     return out
 
 
+def _bags_call(rng, gen, dev, R):
+    """An ``embedding_bag_all_to_all`` call (one table per rank, widths differing by rank,
+    bags of 0-8 rows) against the plain pooling and ``all_to_all_single``."""
+    dims, B, me = [64 * (1 + r % 2) for r in range(R)], 1024 * R, dist.get_rank()
+    dtype = rng.choice(DTYPES)
+    table = torch.randn(20000, dims[me], device=dev, generator=gen, dtype=dtype)
+    sizes = torch.randint(0, 9, (B,), device=dev, generator=gen)
+    idx = torch.randint(0, 20000, (int(sizes.sum()),), device=dev, generator=gen)
+    off = torch.cumsum(sizes, 0) - sizes
+    chunks = rng.choice([None, 2, 3, 8])
+    got = overlap.embedding_bag_all_to_all([table], [idx], [off], rank_dims=dims, chunks=chunks)
+    pooled = torch.nn.functional.embedding_bag(idx, table.float(), off, mode="sum")
+    b = B // R
+    recv = pooled.new_empty(b * sum(dims))
+    dist.all_to_all_single(recv, pooled.reshape(-1), [b * d for d in dims], [b * dims[me]] * R)
+    ref = torch.cat([p.view(b, d) for p, d in zip(recv.split([b * d for d in dims]), dims,
+                                                   strict=True)], dim=1)  # fmt: skip
+    p = make_split_plan((b * dims[me],) * R, tuple(b * d for d in dims), 1, 0, chunks=chunks,
+                        transport="torch")  # fmt: skip
+    p = dataclasses.replace(p, collective="embedding_bag all_to_all")
+    return dtype, ((got.float() - ref).norm() / ref.norm()).item(), p, "sum"
+
+
 def _one_call(rng, gen, dev, R):
     """Draw a case, run it, check it: ``(key, error, plan, op)``. Inputs die on return, so
     memory measured between calls is what the library keeps."""
+    if rng.random() < 0.1:
+        return _bags_call(rng, gen, dev, R)
     M, K, N = rng.choice(SHAPES)
     dtype = rng.choice(DTYPES)
     coll = rng.choice((*overlap.COLLECTIVES, "all_gather"))
@@ -81,7 +107,20 @@ def _one_call(rng, gen, dev, R):
     x = torch.randn(rows, K, device=dev, generator=gen, dtype=dtype)
     w = torch.randn(N, K, device=dev, generator=gen, dtype=dtype) / K**0.5
     w = w.t() if transposed else w.t().contiguous()
-    if splits is not None and rng.random() < 0.5:  # the MoE combine: two experts, w and -w
+    moe = rng.random() if splits is not None else 1.0
+    if moe < 0.25:  # the MoE dispatch: two experts, w and -w, ids per received row
+        p = make_split_plan(*map(tuple, splits), N, K, chunks=chunks, transport="torch")
+        p = dataclasses.replace(p, collective="dispatch all_to_all")  # its own key below
+        ids = torch.randint(0, 2, (sum(splits[1]),), device=dev, generator=gen).sort().values
+        got = overlap.all_to_all_grouped_matmul(
+            x, torch.stack([w, -w]), ids, input_split_sizes=splits[0],
+            output_split_sizes=splits[1], chunks=chunks,
+        )  # fmt: skip
+        ref = _reference(x, w, coll, op, R, splits) * (1 - 2 * ids[:, None]).float()
+        if ref.numel() == 0:
+            return dtype, 0.0 if got.numel() == 0 else float("nan"), p, op
+        return dtype, ((got.float() - ref).norm() / ref.norm()).item(), p, op
+    if moe < 0.5:  # the MoE combine: two experts, w and -w
         p = make_split_plan(*map(tuple, splits), N, K, chunks=chunks, transport="torch")
         p = dataclasses.replace(p, collective="grouped all_to_all")  # its own key below
         ids = torch.randint(0, 2, (rows,), device=dev, generator=gen).sort().values

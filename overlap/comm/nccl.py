@@ -182,40 +182,48 @@ class NcclTransport(Transport):
     def run_splits(
         self,
         plan: Plan,
-        y: torch.Tensor,
-        out: torch.Tensor,
+        send: torch.Tensor,
+        recv: torch.Tensor,
         wait: Callable[[int], None],
+        mark: Callable[[int], None],
         stream: torch.cuda.Stream | None,
+        layout: list | None = None,
     ) -> None:
-        """An uneven all-to-all (``make_split_plan``) of the product ``y [M, N]`` in the slot
-        layout of ``plan.band_rows`` into ``out`` (standard layout), on ``stream``: chunk
-        ``c`` (band ``c`` of every block) after ``wait(c)``, by one ``all_to_all_single`` into
-        receive slots; then one gather of the received rows into their places in ``out``
-        (gloo's list all-to-all takes equal sizes only, so views cannot be sent as they are)."""
+        """An uneven all-to-all (``make_split_plan``) on ``stream``, chunk by chunk: ``send``
+        and ``recv`` hold their rows in the chunk-major slot layouts of ``plan.band_rows``
+        (of the sends and of the receives), so chunk ``c`` (band ``c`` of every block) is one
+        ``all_to_all_single`` (gloo's list all-to-all takes equal sizes only, so views of
+        standard-layout tensors cannot be sent as they are); ``wait(c)`` before it,
+        ``mark(c)`` after it, both on ``stream``. ``layout`` replaces ``band_rows``' chunks:
+        per chunk ``(rows received from each rank, rows sent to each)``, consecutive."""
         n = plan.n_chunks
-        sends, receives = (band_rows(s, n) for s in plan.splits)
-        recv = torch.empty_like(out)
+        if layout is None:
+            sends, receives = (band_rows(s, n) for s in plan.splits)
+            layout = [([s.stop - s.start for _, s in receives[c]],
+                       [s.stop - s.start for _, s in sends[c]]) for c in range(n)]  # fmt: skip
+        at_in = at_out = 0
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            for c in range(n):
+            for c, (out_rows, in_rows) in enumerate(layout):
                 wait(c)
-                i, o = sends[c], receives[c]
-                self.comm.all_to_all_v(
-                    recv[o[0][1].start : o[-1][1].stop], y[i[0][1].start : i[-1][1].stop],
-                    [s.stop - s.start for _, s in o], [s.stop - s.start for _, s in i],
-                )  # fmt: skip
-            torch.index_select(recv, 0, self._order(plan.splits[1], n, out.device), out=out)
+                n_in, n_out = sum(in_rows), sum(out_rows)
+                self.comm.all_to_all_v(recv[at_out : at_out + n_out], send[at_in : at_in + n_in],
+                                       out_rows, in_rows)  # fmt: skip
+                at_in, at_out = at_in + n_in, at_out + n_out
+                mark(c)
 
-    def _order(self, receives: tuple[int, ...], n: int, device: torch.device) -> torch.Tensor:
-        """For each row of the result, its row in the receive slots (made once per splits)."""
-        key = (receives, n, str(device))
+    def order(self, splits: tuple[int, ...], n: int, device, to_slots: bool) -> torch.Tensor:
+        """Row indices between the standard layout of blocks of ``splits`` rows and its
+        slot layout (``band_rows(splits, n)``): ``standard = slots[order]``, or with
+        ``to_slots`` ``slots = standard[order]`` (made once per splits and device)."""
+        key = (splits, n, str(device), to_slots)
         if key not in self._orders:
             if len(self._orders) >= 64:  # routing changes every step in MoE: keep a few
                 self._orders.clear()
-            bands = band_rows(receives, n)
-            order = torch.empty(sum(receives), dtype=torch.long)
-            for row in bands:
+            order = torch.empty(sum(splits), dtype=torch.long)
+            for row in band_rows(splits, n):
                 for std, slot in row:
-                    order[std] = torch.arange(slot.start, slot.stop)
+                    a, b = (slot, std) if to_slots else (std, slot)
+                    order[a] = torch.arange(b.start, b.stop)
             self._orders[key] = order.to(device)
         return self._orders[key]
 
