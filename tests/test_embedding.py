@@ -93,3 +93,29 @@ def test_world_size_one():
     t, ix, o = torch.randn(7, 4), torch.tensor([1, 2, 6, 0]), torch.tensor([0, 2, 2])
     got = overlap.embedding_bag_all_to_all([t], [ix], [o])
     torch.testing.assert_close(got, F.embedding_bag(ix, t, o, mode="sum"))
+
+
+def _compiled(rank, R, seed):
+    """``torch.compile(fullgraph=True)`` with autograd (``rank_dims`` given: asking the ranks
+    is a host collective, which Dynamo cannot trace)."""
+    ranks = _draw(R, 4 * R, seed, torch.float32)
+    dims = [sum(t.shape[1] for t, _, _ in r_) for r_ in ranks]
+
+    @torch.compile(fullgraph=True, backend="aot_eager")
+    def pooled(tabs, idx, off):
+        return overlap.embedding_bag_all_to_all(tabs, idx, off, rank_dims=dims, chunks=2) * 2
+
+    tabs = [t.clone().requires_grad_() for t, _, _ in ranks[rank]]
+    got = pooled(tabs, [ix for _, ix, _ in ranks[rank]], [o for _, _, o in ranks[rank]])
+    got.sum().backward()
+    full = [torch.cat([F.embedding_bag(ix, t.double(), o, mode="sum") for t, ix, o in r_], 1)
+            for r_ in ranks]  # fmt: skip
+    b = len(ranks[0][0][2]) // R
+    want = torch.cat([f[rank * b : (rank + 1) * b] for f in full], dim=1) * 2
+    why = mismatch(got.detach(), want, TOL[torch.float32])
+    none = [k for k, t in enumerate(tabs) if t.grad is None]
+    return ([f"compiled rank {rank}: {why}"] if why else []) + [f"no grad {k}" for k in none]
+
+
+def test_compile_fullgraph():
+    spawn(_compiled, 2, random.randrange(1 << 30))
