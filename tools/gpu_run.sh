@@ -3,7 +3,7 @@
 # Usage: bash tools/gpu_run.sh MODE [MODE...]
 #   suite    the GPU suite, one process per test (a hang costs one test's 150 s), 2+ GPUs
 #   one_gpu  what one GPU can run: the launch-memo and host-road tests, the host profile, the
-#            model benchmark's correctness check (two ranks on the host road)
+#            model and exchange benchmarks' correctness checks (two ranks on one GPU)
 #   bench    the benchmark on the bench shapes, with NCCL as it is and with NCCL_P2P_DISABLE=1
 #   soak     100 s of mixed calls, every result checked, memory tracked (2 GPUs)
 #   timeline one traced all-reduce and reduce-scatter call (2 GPUs)
@@ -50,7 +50,9 @@ for mode in "$@"; do
         grep "^== \|host ms\|relative" "/tmp/host_$c.txt" | tee -a "$OUT/host_one_gpu.txt"
       done
       NCCL_P2P_DISABLE=1 timeout 240 torchrun --nproc-per-node=2 tools/model_bench.py --one-gpu \
-        --iters 3 --warmup 1 --json "$OUT/model_bench_one_gpu.json" 2>&1 | quiet | tail -8 ;;
+        --iters 3 --warmup 1 --json "$OUT/model_bench_one_gpu.json" 2>&1 | quiet | tail -8
+      NCCL_P2P_DISABLE=1 timeout 240 torchrun --nproc-per-node=2 tools/exchange_bench.py --one-gpu \
+        --iters 3 --warmup 1 --json "$OUT/exchange_bench_one_gpu.json" 2>&1 | quiet | tail -10 ;;
     bench)
       run_bench nvlink --iters 20
       NCCL_P2P_DISABLE=1 run_bench no_p2p --iters 20 --shapes $big ;;
