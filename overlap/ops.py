@@ -1154,7 +1154,7 @@ def embedding_bag_all_to_all(
         tables: this rank's tables ``[rows_t, D_t]``, one dtype and device.
         indices, offsets: one pair per table, ``embedding_bag``'s 1-D format; every
             ``offsets`` has ``B`` entries (the same ``B`` on every rank, divisible by ``R``).
-            ``offsets`` is read on the host once per call.
+            ``offsets`` is read on the host at the bands' edges once per call.
         group, backend, chunks: as in ``matmul_collective`` (NCCL per chunk only; default 4
             chunks).
         mode: ``"sum"``, ``"mean"`` or ``"max"`` (``embedding_bag``'s).
@@ -1227,19 +1227,21 @@ def _bags_forward(tables, indices, offsets, group, mode, rank_dims, backend, chu
     slots, ``N = 1``), the received blocks copied into their columns."""
     R, D = len(rank_dims), sum(t.shape[1] for t in tables)
     b, t0 = B // R, tables[0]
-    cuts = [o.to("cpu").tolist() + [i.numel()] for o, i in zip(offsets, indices, strict=True)]
+    n = chunks or DEFAULT_SPLIT_CHUNKS if R > 1 else 1
+    bands = [(c * b // n, (c + 1) * b // n) for c in range(n)]
+    # the first index of every band's bags, on the host (one small copy per table)
+    edges = sorted({j * b + e for j in range(R) for lo, hi in bands for e in (lo, hi)})
+    at_edge = [dict(zip(edges, torch.cat([o, o.new_tensor([i.numel()])])[edges].tolist(),
+                        strict=True)) for o, i in zip(offsets, indices, strict=True)]  # fmt: skip
 
     def pool(lo: int, hi: int) -> torch.Tensor:  # bags [lo, hi) of every table: [hi - lo, D]
         parts = []
-        for t, i, c in zip(tables, indices, cuts, strict=True):
-            o = torch.tensor(c[lo:hi], device=i.device) - c[lo]
-            parts.append(F.embedding_bag(i[c[lo] : c[hi]], t, o, mode=mode))
+        for t, i, o, e in zip(tables, indices, offsets, at_edge, strict=True):
+            parts.append(F.embedding_bag(i[e[lo] : e[hi]], t, o[lo:hi] - e[lo], mode=mode))
         return torch.cat(parts, dim=1)
 
     if R == 1:
         return pool(0, B)
-    n = chunks or DEFAULT_SPLIT_CHUNKS
-    bands = [(c * b // n, (c + 1) * b // n) for c in range(n)]
     # per chunk, elements (rows of width 1) received from and sent to every rank
     layout = [([(hi - lo) * d for d in rank_dims], [(hi - lo) * D] * R) for lo, hi in bands]
     sends, receives = tuple(b * D for _ in range(R)), tuple(b * d for d in rank_dims)
