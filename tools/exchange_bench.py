@@ -35,52 +35,19 @@ on GPUs (one or two) yet.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
-import pathlib
-import statistics
-import sys
-import tempfile
-import time
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from benchrun import DTYPES, add_options, fill_defaults, launch, rel_err, time_ms, write_json
 
 OPS = ("all_gather", "uneven_a2a", "moe_combine", "moe_dispatch", "embedding")
 SMALL = dict(tokens=32, hidden=64, ffn=128, experts=2, topk=2, tables=2, table_rows=1000,
              dim=16, batch=64, max_bag=40)  # fmt: skip
 LARGE = dict(tokens=4096, hidden=4096, ffn=14336, experts=2, topk=2, tables=8,
              table_rows=100_000, dim=128, batch=65536, max_bag=40)  # fmt: skip
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 Fn = Callable[[], torch.Tensor]
-
-
-def _err(got: torch.Tensor, want: torch.Tensor) -> float:
-    if want.numel() == 0:
-        return 0.0 if got.numel() == 0 else float("nan")
-    return ((got.double() - want.double()).norm() / want.double().norm()).item()
-
-
-def _time(fn: Callable[[], object], iters: int, warmup: int, cuda: bool) -> float:
-    """Median milliseconds of ``fn`` over ``iters`` calls after ``warmup``, the slowest rank's."""
-    times = []
-    for i in range(warmup + iters):
-        if cuda:
-            ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-            ev[0].record(), fn(), ev[1].record(), ev[1].synchronize()
-            t = ev[0].elapsed_time(ev[1])
-        else:
-            t0 = time.perf_counter()
-            fn()
-            t = (time.perf_counter() - t0) * 1e3
-        times += [t] if i >= warmup else []
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, statistics.median(times))
-    return max(every)
 
 
 def routing(a: argparse.Namespace, R: int) -> tuple[list[list[int]], list[list[list[int]]]]:
@@ -187,13 +154,13 @@ def bench(a: argparse.Namespace, dev: torch.device, timing_meaningful: bool) -> 
     for op in a.ops:
         plain, over, shape = build(op, a, dev, dtype)
         every = [None] * R
-        dist.all_gather_object(every, _err(over(), plain()))
+        dist.all_gather_object(every, rel_err(over(), plain()))
         errors[op] = err = max(every, key=lambda e: e if e == e else float("inf"))  # NaN first
         if not err < tol:
             raise RuntimeError(f"{op}: overlap disagrees with plain: relative error {err:.3g} "
                                f"above {tol} ({shape})")  # fmt: skip
-        t_plain = _time(plain, a.iters, a.warmup, cuda)
-        t_over = _time(over, a.iters, a.warmup, cuda)
+        t_plain = time_ms(plain, a.iters, a.warmup, cuda)
+        t_over = time_ms(over, a.iters, a.warmup, cuda)
         rows.append(dict(op=op, shape=shape, plain_ms=t_plain, overlap_ms=t_over,
                          speedup=t_plain / t_over, error=err))  # fmt: skip
         del plain, over
@@ -203,81 +170,29 @@ def bench(a: argparse.Namespace, dev: torch.device, timing_meaningful: bool) -> 
 
 def _report(a, dev, R, timing_meaningful, rows, errors, tol) -> None:
     """Prints the table and writes the JSON (rank 0)."""
-    import triton
-
     print(f"{'op':13} {'plain ms':>10} {'overlap ms':>11} {'speedup':>8} {'error':>9}  shape")
     for r in rows:
         print(f"{r['op']:13} {r['plain_ms']:10.3f} {r['overlap_ms']:11.3f} {r['speedup']:8.2f} "
               f"{r['error']:9.2e}  {r['shape']}")  # fmt: skip
-    if not timing_meaningful:
-        print("timings mean nothing here (CPU, or two ranks sharing one GPU): correctness only")
-    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
-    date = datetime.datetime.now().isoformat(timespec="seconds")
-    out = dict(config={k: v for k, v in vars(a).items() if k != "json"}, world_size=R,
-               backend=dist.get_backend(), device=name, torch=torch.__version__,
-               triton=triton.__version__, date=date, timing_meaningful=timing_meaningful,
-               tolerance=tol, errors=errors, rows=rows)  # fmt: skip
-    path = pathlib.Path(a.json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=1) + "\n")
-    print(f"wrote {path}")
-
-
-def _cpu_rank(rank: int, world: int, init_file: str, a: argparse.Namespace) -> None:
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        bench(a, torch.device("cpu"), False)
-    finally:
-        dist.destroy_process_group()
+    write_json(a, dev, R, timing_meaningful, rows, errors, tol)
 
 
 def main() -> None:
     """Parses the arguments; spawns 2 CPU ranks, or runs as a torchrun worker."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    for name in SMALL:
-        ap.add_argument(f"--{name.replace('_', '-')}", type=int, default=None)
+    add_options(ap, SMALL, "bench_results/exchange_bench.json")
     ap.add_argument("--ops", default=",".join(OPS), help=f"comma-separated subset of {OPS}")
     ap.add_argument("--skew", type=float, default=2.0, help="rank 0 receives this many times more")
     ap.add_argument("--chunks", type=int, default=None, help="default: the library's (CPU: 2)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--dtype", choices=tuple(DTYPES), default=None)
-    ap.add_argument("--iters", type=int, default=None)
-    ap.add_argument("--warmup", type=int, default=None)
-    ap.add_argument("--json", default="bench_results/exchange_bench.json")
-    ap.add_argument("--cpu", action="store_true", help="2 CPU ranks even with GPUs")
-    ap.add_argument("--one-gpu", action="store_true", help="2 ranks on GPU 0 over gloo")
     a = ap.parse_args()
     a.ops = [o for o in a.ops.split(",") if o]
     if not a.ops or set(a.ops) - set(OPS):
         ap.error(f"--ops: unknown {sorted(set(a.ops) - set(OPS))}; choose from {OPS}")
-    cpu = a.cpu or not torch.cuda.is_available()
-    for k, v in (SMALL if cpu else LARGE).items():
-        setattr(a, k, v if getattr(a, k) is None else getattr(a, k))
-    for k, v in dict(dtype=("bf16", "fp32"), iters=(20, 2), warmup=(5, 1)).items():
-        setattr(a, k, v[cpu] if getattr(a, k) is None else getattr(a, k))
-    if cpu:
-        a.chunks = 2 if a.chunks is None else a.chunks  # tiny products: force the chunked paths
-        os.environ["TRITON_INTERPRET"] = "1"  # before overlap defines a kernel (spawn inherits)
-        with tempfile.TemporaryDirectory() as d:
-            mp.spawn(_cpu_rank, args=(2, os.path.join(d, "init"), a), nprocs=2)
-        return
-    if "RANK" not in os.environ:
-        sys.exit("run under torchrun: torchrun --nproc-per-node=N tools/exchange_bench.py "
-                 "(N GPUs), or on one GPU: NCCL_P2P_DISABLE=1 torchrun --nproc-per-node=2 tools/"
-                 "exchange_bench.py --one-gpu (correctness only); --cpu: 2 CPU ranks")  # fmt: skip
-    local = 0 if a.one_gpu else int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(local)
-    dev = torch.device("cuda", local)
-    if a.one_gpu:
-        os.environ.setdefault("NCCL_P2P_DISABLE", "1")  # the copy engines' host road
-        dist.init_process_group("gloo")
-    else:
-        dist.init_process_group("nccl", device_id=dev)
-    try:
-        bench(a, dev, not a.one_gpu)
-    finally:
-        dist.destroy_process_group()
+    cpu = fill_defaults(a, SMALL, LARGE)
+    if cpu and a.chunks is None:
+        a.chunks = 2  # tiny products: force the chunked paths
+    launch(a, cpu, bench, "exchange_bench.py")
 
 
 if __name__ == "__main__":

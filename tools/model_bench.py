@@ -28,26 +28,18 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
 import importlib.util
 import json
-import os
 import pathlib
-import statistics
-import sys
-import tempfile
-import time
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from benchrun import DTYPES, add_options, fill_defaults, launch, rel_err, time_ms, write_json
 from torch import nn
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SMALL = dict(layers=2, hidden=64, ffn=128, heads=4, kv_heads=2, seq=32)
 LARGE = dict(layers=2, hidden=4096, ffn=14336, heads=32, kv_heads=8, seq=4096)
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _gather_rows(x: torch.Tensor, group) -> torch.Tensor:
@@ -132,10 +124,6 @@ def plain_layer(layer: nn.Module, sp: bool) -> nn.Module:
     return layer
 
 
-def _err(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.double() - want.double()).norm() / want.double().norm()).item()
-
-
 def _step(model: nn.Module, x: torch.Tensor, g: torch.Tensor):
     """Forward + backward of ``(model(x) * g).sum()``; returns y, dx and the parameters."""
     model.zero_grad(set_to_none=True)
@@ -143,24 +131,6 @@ def _step(model: nn.Module, x: torch.Tensor, g: torch.Tensor):
     y = model(x)
     (y * g).sum().backward()
     return y.detach(), x.grad, dict(model.named_parameters())
-
-
-def _time(fn: Callable[[], object], iters: int, warmup: int, cuda: bool) -> float:
-    """Median milliseconds of ``fn`` over ``iters`` calls after ``warmup``, the slowest rank's."""
-    times = []
-    for i in range(warmup + iters):
-        if cuda:
-            ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-            ev[0].record(), fn(), ev[1].record(), ev[1].synchronize()
-            t = ev[0].elapsed_time(ev[1])
-        else:
-            t0 = time.perf_counter()
-            fn()
-            t = (time.perf_counter() - t0) * 1e3
-        times += [t] if i >= warmup else []
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, statistics.median(times))
-    return max(every)
 
 
 def bench(args: argparse.Namespace, dev: torch.device, timing_meaningful: bool) -> None:
@@ -191,8 +161,8 @@ def bench(args: argparse.Namespace, dev: torch.device, timing_meaningful: bool) 
         plain = [plain_layer(ly, sp) for ly in ref]
         models = {"plain": nn.Sequential(*plain), "overlap": nn.Sequential(*tp)}
         (y0, dx0, p0), (y1, dx1, p1) = (_step(models[m], xs, gs) for m in ("plain", "overlap"))
-        errs = {"output": _err(y1, y0), "input_grad": _err(dx1, dx0),
-                "weight_grad": max(_err(p1[n].grad, p0[n].grad) for n in p0)}  # fmt: skip
+        errs = {"output": rel_err(y1, y0), "input_grad": rel_err(dx1, dx0),
+                "weight_grad": max(rel_err(p1[n].grad, p0[n].grad) for n in p0)}  # fmt: skip
         every = [None] * R
         dist.all_gather_object(every, errs)
         errors[f"sp={int(sp)}"] = errs = {k: max(e[k] for e in every) for k in errs}
@@ -202,8 +172,10 @@ def bench(args: argparse.Namespace, dev: torch.device, timing_meaningful: bool) 
                                f"errors above {tol}: {bad}")  # fmt: skip
         for mode, model in models.items():
             with torch.no_grad():
-                pre = _time(lambda: model(xs), args.iters, args.warmup, dev.type == "cuda")
-            train = _time(lambda: _step(model, xs, gs), args.iters, args.warmup, dev.type == "cuda")
+                pre = time_ms(lambda: model(xs), args.iters, args.warmup, dev.type == "cuda")
+            train = time_ms(
+                lambda: _step(model, xs, gs), args.iters, args.warmup, dev.type == "cuda"
+            )
             rows.append(dict(mode=mode, sequence_parallel=sp, prefill_ms=pre,
                              prefill_tok_s=args.seq / pre * 1e3, train_ms=train,
                              train_tok_s=args.seq / train * 1e3))  # fmt: skip
@@ -218,8 +190,6 @@ def bench(args: argparse.Namespace, dev: torch.device, timing_meaningful: bool) 
 
 def _report(args, dev, R, timing_meaningful, rows, errors, tol) -> None:
     """Prints the table and writes the JSON (rank 0)."""
-    import triton
-
     head = f"{'mode':8} {'sp':>2} {'prefill ms':>11} {'prefill tok/s':>14} {'train ms':>10} " \
            f"{'train tok/s':>12} {'speedup p/t':>12}"  # fmt: skip
     print(head)
@@ -228,68 +198,16 @@ def _report(args, dev, R, timing_meaningful, rows, errors, tol) -> None:
               f"{r['prefill_tok_s']:14.0f} {r['train_ms']:10.3f} {r['train_tok_s']:12.0f} "
               f"{r['speedup_prefill']:5.2f}/{r['speedup_train']:.2f}")  # fmt: skip
     print("relative errors overlap vs plain:", json.dumps(errors))
-    if not timing_meaningful:
-        print("timings mean nothing here (CPU, or two ranks sharing one GPU): correctness only")
-    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
-    date = datetime.datetime.now().isoformat(timespec="seconds")
-    out = dict(config={k: v for k, v in vars(args).items() if k != "json"}, world_size=R,
-               backend=dist.get_backend(), device=name, torch=torch.__version__,
-               triton=triton.__version__, date=date, timing_meaningful=timing_meaningful,
-               tolerance=tol, errors=errors, rows=rows)  # fmt: skip
-    path = pathlib.Path(args.json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=1) + "\n")
-    print(f"wrote {path}")
-
-
-def _cpu_rank(rank: int, world: int, init_file: str, args: argparse.Namespace) -> None:
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        bench(args, torch.device("cpu"), False)
-    finally:
-        dist.destroy_process_group()
+    write_json(args, dev, R, timing_meaningful, rows, errors, tol)
 
 
 def main() -> None:
     """Parses the arguments; spawns 2 CPU ranks, or runs as a torchrun worker."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    for name in SMALL:
-        ap.add_argument(f"--{name.replace('_', '-')}", type=int, default=None)
+    add_options(ap, SMALL, "bench_results/model_bench.json")
     ap.add_argument("--sequence-parallel", choices=("0", "1", "both"), default="both")
-    ap.add_argument("--dtype", choices=tuple(DTYPES), default=None)
-    ap.add_argument("--iters", type=int, default=None)
-    ap.add_argument("--warmup", type=int, default=None)
-    ap.add_argument("--json", default="bench_results/model_bench.json")
-    ap.add_argument("--cpu", action="store_true", help="2 CPU ranks even with GPUs")
-    ap.add_argument("--one-gpu", action="store_true", help="2 ranks on GPU 0 over gloo")
     args = ap.parse_args()
-    cpu = args.cpu or not torch.cuda.is_available()
-    for k, v in (SMALL if cpu else LARGE).items():
-        setattr(args, k, v if getattr(args, k) is None else getattr(args, k))
-    for k, v in dict(dtype=("bf16", "fp32"), iters=(20, 2), warmup=(5, 1)).items():
-        setattr(args, k, v[cpu] if getattr(args, k) is None else getattr(args, k))
-    if cpu:
-        os.environ["TRITON_INTERPRET"] = "1"  # before overlap defines a kernel (spawn inherits)
-        with tempfile.TemporaryDirectory() as d:
-            mp.spawn(_cpu_rank, args=(2, os.path.join(d, "init"), args), nprocs=2)
-        return
-    if "RANK" not in os.environ:
-        sys.exit("run under torchrun: torchrun --nproc-per-node=N tools/model_bench.py (N GPUs), "
-                 "or on one GPU: NCCL_P2P_DISABLE=1 torchrun --nproc-per-node=2 "
-                 "tools/model_bench.py --one-gpu (correctness only); --cpu: CPU ranks")  # fmt: skip
-    local = 0 if args.one_gpu else int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(local)
-    dev = torch.device("cuda", local)
-    if args.one_gpu:
-        os.environ.setdefault("NCCL_P2P_DISABLE", "1")  # the copy engines' host road
-        dist.init_process_group("gloo")
-    else:
-        dist.init_process_group("nccl", device_id=dev)
-    try:
-        bench(args, dev, not args.one_gpu)
-    finally:
-        dist.destroy_process_group()
+    launch(args, fill_defaults(args, SMALL, LARGE), bench, "model_bench.py")
 
 
 if __name__ == "__main__":

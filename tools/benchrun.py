@@ -1,0 +1,126 @@
+"""What the benchmark tools that compare the library with plain torch on ranks share
+(``model_bench.py``, ``exchange_bench.py``): the common options, the launch (2 CPU ranks on
+gloo with Triton's interpreter; torchrun on GPUs; ``--one-gpu``: two ranks on GPU 0 over
+gloo, correctness only), the timing and the JSON report."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+Bench = Callable[[argparse.Namespace, torch.device, bool], None]  # (args, device, timing?)
+
+
+def add_options(ap: argparse.ArgumentParser, sizes: dict, json_default: str) -> None:
+    """The size options (``sizes``' keys; None: the tool's defaults) and the common ones."""
+    for name in sizes:
+        ap.add_argument(f"--{name.replace('_', '-')}", type=int, default=None)
+    ap.add_argument("--dtype", choices=tuple(DTYPES), default=None)
+    ap.add_argument("--iters", type=int, default=None)
+    ap.add_argument("--warmup", type=int, default=None)
+    ap.add_argument("--json", default=json_default)
+    ap.add_argument("--cpu", action="store_true", help="2 CPU ranks even with GPUs")
+    ap.add_argument("--one-gpu", action="store_true", help="2 ranks on GPU 0 over gloo")
+
+
+def fill_defaults(args: argparse.Namespace, small: dict, large: dict) -> bool:
+    """Fills the options left None (small sizes, fp32 and few iterations on CPU); returns
+    whether the run is on CPU ranks."""
+    cpu = args.cpu or not torch.cuda.is_available()
+    for k, v in (small if cpu else large).items():
+        setattr(args, k, v if getattr(args, k) is None else getattr(args, k))
+    for k, v in dict(dtype=("bf16", "fp32"), iters=(20, 2), warmup=(5, 1)).items():
+        setattr(args, k, v[cpu] if getattr(args, k) is None else getattr(args, k))
+    return cpu
+
+
+def launch(args: argparse.Namespace, cpu: bool, bench: Bench, tool: str) -> None:
+    """Runs ``bench``: on 2 spawned CPU ranks, or as this torchrun worker (NCCL, or gloo on
+    GPU 0 with ``--one-gpu``); exits with a hint when GPUs exist and torchrun was not used."""
+    if cpu:
+        os.environ["TRITON_INTERPRET"] = "1"  # before overlap defines a kernel (spawn inherits)
+        with tempfile.TemporaryDirectory() as d:
+            mp.spawn(_cpu_rank, args=(2, os.path.join(d, "init"), args, bench), nprocs=2)
+        return
+    if "RANK" not in os.environ:
+        sys.exit(f"run under torchrun: torchrun --nproc-per-node=N tools/{tool} (N GPUs), or on "
+                 f"one GPU: NCCL_P2P_DISABLE=1 torchrun --nproc-per-node=2 tools/{tool} --one-gpu "
+                 "(correctness only); --cpu: 2 CPU ranks")  # fmt: skip
+    local = 0 if args.one_gpu else int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local)
+    dev = torch.device("cuda", local)
+    if args.one_gpu:
+        os.environ.setdefault("NCCL_P2P_DISABLE", "1")  # the copy engines' host road
+        dist.init_process_group("gloo")
+    else:
+        dist.init_process_group("nccl", device_id=dev)
+    try:
+        bench(args, dev, not args.one_gpu)
+    finally:
+        dist.destroy_process_group()
+
+
+def _cpu_rank(rank: int, world: int, init_file: str, args, bench: Bench) -> None:
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        bench(args, torch.device("cpu"), False)
+    finally:
+        dist.destroy_process_group()
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Relative norm error (0 for two empty tensors)."""
+    if want.numel() == 0:
+        return 0.0 if got.numel() == 0 else float("nan")
+    return ((got.double() - want.double()).norm() / want.double().norm()).item()
+
+
+def time_ms(fn: Callable[[], object], iters: int, warmup: int, cuda: bool) -> float:
+    """Median milliseconds of ``fn`` over ``iters`` calls after ``warmup``, the slowest rank's."""
+    times = []
+    for i in range(warmup + iters):
+        if cuda:
+            ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+            ev[0].record(), fn(), ev[1].record(), ev[1].synchronize()
+            t = ev[0].elapsed_time(ev[1])
+        else:
+            t0 = time.perf_counter()
+            fn()
+            t = (time.perf_counter() - t0) * 1e3
+        times += [t] if i >= warmup else []
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, statistics.median(times))
+    return max(every)
+
+
+def write_json(args, dev, R: int, timing_meaningful: bool, rows, errors, tol: float) -> None:
+    """Rank 0's JSON (configuration, device, versions, date, rows, errors), after the
+    tool's table; says so when the timings mean nothing."""
+    import triton
+
+    if not timing_meaningful:
+        print("timings mean nothing here (CPU, or two ranks sharing one GPU): correctness only")
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    date = datetime.datetime.now().isoformat(timespec="seconds")
+    out = dict(config={k: v for k, v in vars(args).items() if k != "json"}, world_size=R,
+               backend=dist.get_backend(), device=name, torch=torch.__version__,
+               triton=triton.__version__, date=date, timing_meaningful=timing_meaningful,
+               tolerance=tol, errors=errors, rows=rows)  # fmt: skip
+    path = pathlib.Path(args.json)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {path}")
