@@ -46,13 +46,6 @@ class Context:
             self.comm_stream = torch.cuda.Stream(device, priority=highest)
         self._counters: ChunkCounters | None = None
         self._transports: dict[str, Transport] = {}
-        self._events: list[torch.cuda.Event] = []
-
-    def events(self, n: int) -> list[torch.cuda.Event]:
-        """``n`` CUDA events of this stream's calls (made once, reused by every call)."""
-        while len(self._events) < n:
-            self._events.append(torch.cuda.Event())
-        return self._events
 
     @property
     def counters(self) -> ChunkCounters:

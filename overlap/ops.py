@@ -400,7 +400,7 @@ class _SplitCall:
         self.stream = self.ctx.comm_stream
         if self.stream is not None:
             self.caller = torch.cuda.current_stream(x.device)
-            self.events = self.ctx.events(self.plan.n_chunks)
+            self.events = self.transport.events(self.plan.n_chunks)
             self.stream.wait_stream(self.caller)
 
     def mark(self, c: int, stream) -> None:

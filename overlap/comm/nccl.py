@@ -151,7 +151,7 @@ class NcclTransport(Transport):
 
     def __init__(self, comm: TorchComm | CupyComm) -> None:
         self.comm, self.name = comm, comm.name
-        self._events: list[torch.cuda.Event] = []  # the all-gather's, one per chunk
+        self._events: list[torch.cuda.Event] = []  # one per chunk (`events`)
         self._orders: dict[tuple, torch.Tensor] = {}  # run_splits' row orders
 
     def gather(self, plan: Plan, x: torch.Tensor, stream: torch.cuda.Stream | None) -> torch.Tensor:
@@ -163,13 +163,19 @@ class NcclTransport(Transport):
             for c in range(plan.n_chunks):
                 self._gather_chunk(plan, c, x, buf, R)
             return buf
-        while len(self._events) < plan.n_chunks:
-            self._events.append(torch.cuda.Event())
+        events = self.events(plan.n_chunks)
         with torch.cuda.stream(stream):  # NCCL issues on the current stream
             for c in range(plan.n_chunks):
                 self._gather_chunk(plan, c, x, buf, R)
-                self._events[c].record(stream)
+                events[c].record(stream)
         return buf
+
+    def events(self, n: int) -> list[torch.cuda.Event]:
+        """At least ``n`` CUDA events, one per chunk, made once and reused by every call of
+        this context (the all-gather's arrivals, the uneven exchanges' chunks)."""
+        while len(self._events) < n:
+            self._events.append(torch.cuda.Event())
+        return self._events
 
     def _gather_chunk(self, plan: Plan, c: int, x: torch.Tensor, buf: torch.Tensor, R: int):
         _, rows, _, row0, _ = plan.chunk_slot(c)
