@@ -4,15 +4,19 @@
 
 - the communication stream (high priority), made once;
 - the chunk counters (``signal.ChunkCounters``), whose epochs belong to one stream of calls;
-- the transports the calls of this stream used, by name (``transport``): a copy-engine
-  transport's buffer and epoch belong to one stream of calls, like the counters; NCCL
-  transports share one communicator per (group, device, backend), since a CUDA graph
-  captures on a stream of its own and a communicator cannot be made during capture.
+- the transports the calls of this stream used, by name (``transport``).
 
-Per (group, device), also kept here: the copy engines' road (``comm.route``, a collective
-asked on the first call of the group on a CUDA device outside graph capture, whatever its
-backend and path, so that every rank asks at the same call) and the communicators. Per
-group: the chunk counts ``overlap.tune`` chose (``tuned``).
+Per (group, device), also kept here and shared by the contexts of every stream, since a CUDA
+graph captures on a stream of its own and neither can be made during a capture: the
+communicators (one per backend) and the copy-engine transport, whose buffers an eager call
+sizes (a captured call that would need bigger ones takes NCCL, ``ops._plan_for``). Calls of
+two streams through that transport would write the same buffers, so an eager call on another
+stream than the last one first waits for that stream (``transport``); captured calls cannot
+wait on eager work, so a graph's replays must not run beside the group's calls on other
+streams. Also per (group, device): the copy engines' road (``comm.route``, a collective asked
+on the first call of the group on a CUDA device outside graph capture, whatever its backend
+and path, so that every rank asks at the same call). Per group: the chunk counts
+``overlap.tune`` chose (``tuned``).
 
 Lifetime: until ``release(group)``, which every rank of the group calls at the same point of
 the program with no call of the group in flight; it waits for the device, frees the
@@ -29,6 +33,7 @@ import torch.distributed as dist
 
 from .comm import HostTransport, NcclTransport, PeerTransport, Transport, make_comm, route
 from .guard import group_name
+from .plan import Plan
 from .signal import ChunkCounters, current_raw_stream
 
 MAX_CONTEXTS = 256
@@ -41,7 +46,9 @@ class Context:
         self.group, self.device = group, device
         self.rank = dist.get_rank(group)  # (asking torch costs host time at every call)
         self.comm_stream: torch.cuda.Stream | None = None  # None on CPU
+        self.caller: torch.cuda.Stream | None = None  # the stream this context serves
         if device.type == "cuda":
+            self.caller = torch.cuda.current_stream(device)
             _, highest = torch.cuda.Stream.priority_range()
             self.comm_stream = torch.cuda.Stream(device, priority=highest)
         self._counters: ChunkCounters | None = None
@@ -54,10 +61,13 @@ class Context:
             self._counters = ChunkCounters(self.device)
         return self._counters
 
-    def road(self) -> str | None:
-        """``comm.route``'s answer for this group and device: a collective the first time."""
+    def road(self, capturing: bool = False) -> str | None:
+        """``comm.route``'s answer for this group and device: a collective the first time
+        (while ``capturing``, which cannot ask: the answer known, or None)."""
         key = (self.group, str(self.device))
         if key not in _roads:
+            if capturing:
+                return None
             _roads[key] = route(self.group, self.device)
         return _roads[key]
 
@@ -66,19 +76,34 @@ class Context:
         """Whether transport ``name`` runs blocked plans (without making it)."""
         return (PeerTransport if name == "ce" else NcclTransport).blocked
 
-    def transport(self, name: str) -> Transport:
-        """The transport ``name`` ("torch", "cupy" or "ce") of this context."""
+    def captures(self, p: Plan, dtype: torch.dtype) -> bool:
+        """Whether a call of plan ``p`` (copy engines) can be captured in a CUDA graph now:
+        the group's copy-engine transport exists and its buffers fit ``p``."""
+        t = _engines.get((self.group, str(self.device)))
+        return t is not None and t.fits(p, dtype)
+
+    def transport(self, name: str, capturing: bool = False) -> Transport:
+        """The transport ``name`` ("torch", "cupy" or "ce") of this context. For "ce", the
+        group's, and (not ``capturing``) this stream waits for the one that used it last."""
         t = self._transports.get(name)
         if t is None:
             if name == "ce":
-                cls = PeerTransport if self.road() == "peer" else HostTransport
-                t = cls(self.group, self.device)
+                key = (self.group, str(self.device))
+                if key not in _engines:
+                    cls = PeerTransport if self.road() == "peer" else HostTransport
+                    _engines[key] = cls(self.group, self.device)
+                t = _engines[key]
             else:
                 key = (self.group, str(self.device), name)
                 if key not in _comms:
                     _comms[key] = make_comm(name, self.group)
                 t = NcclTransport(_comms[key])
             self._transports[name] = t
+        if name == "ce" and not capturing:
+            last = _users.get(t)
+            if last is not None and last is not self:
+                self.caller.wait_stream(last.caller)  # its calls are done with the buffers
+            _users[t] = self
         return t
 
     @property
@@ -97,6 +122,8 @@ class Context:
 _contexts: dict[tuple, Context] = {}  # (group, device, caller stream handle) -> Context
 _comms: dict[tuple, object] = {}  # (group, device, backend) -> communicator
 _roads: dict[tuple, str | None] = {}  # (group, device) -> comm.route's answer
+_engines: dict[tuple, Transport] = {}  # (group, device) -> the copy-engine transport
+_users: dict[Transport, Context] = {}  # copy-engine transport -> the context that used it last
 _tuned: dict[tuple, int | str] = {}  # (group name, M, N, K, dtype, collective) -> overlap.tune's
 
 
@@ -151,6 +178,8 @@ def release(group: dist.ProcessGroup | None = None) -> None:
         torch.cuda.synchronize(device)
     for k in mine:
         _contexts.pop(k).close()
+    for k in [k for k in _engines if k[0] is group]:
+        _users.pop(_engines.pop(k), None)
     for store in (_comms, _roads):
         for k in [k for k in store if k[0] is group]:
             del store[k]

@@ -13,8 +13,10 @@ the ``c``-th band launched, band ``band_launched(c)``. The kernel computes the s
 from ``first_band``; ``tests/test_transport.py`` runs the real kernel against the real
 transports, so the two cannot drift apart unnoticed.
 
-**Flags** (int32, values are epochs compared cyclically) at the start of every rank's
-transport buffer, ``FLAGS_BYTES`` in all:
+**Flags** (int32 at the start of every rank's transport buffer, ``FLAGS_BYTES`` in all) are
+one-shot: a writer sets a flag to 1 (``SET``), its reader waits until it is not 0, and the
+flag is zeroed before the next call can set it again (``comm/peer.py`` says when). Every call
+therefore writes and waits for the same values, which is what lets a CUDA graph replay it.
 
 ==============================  ============================================================
 index                           set by
@@ -42,6 +44,7 @@ if TYPE_CHECKING:
     from .plan import Plan
 
 FLAGS_BYTES = 4096  # flags at the start of every transport buffer (FlagLayout.check)
+SET = 1  # the value of a set flag (zeroed: not set)
 
 
 def first_band(rank: int, world_size: int, bands_per_block: int) -> int:
@@ -102,12 +105,11 @@ class Epilogue:
 
     ``out``: the result (``[M / R, N]`` reduce-scatter, ``[M, N]`` otherwise); ``recv``:
     ``[R, M / R, N]``, this rank's receive slots (slot ``s`` from rank ``s``); ``flags``:
-    int32, element ``FlagLayout.kernel_index(s, k)`` holds the epoch of the call whose band
-    ``k`` rank ``s`` pushed last; ``epoch``: this call's.
+    int32, element ``FlagLayout.kernel_index(s, k)`` is set once rank ``s`` has pushed band
+    ``k`` of this call.
     """
 
     out: torch.Tensor
     recv: torch.Tensor
     flags: torch.Tensor
-    epoch: int
     rank: int

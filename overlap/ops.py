@@ -154,8 +154,7 @@ def _plan_for(x, w, name, group, chunks, backend, capturing) -> tuple[Plan, Cont
             M, N, K, world_size=1, collective=name, dtype_bits=bits, chunks=chunks
         ), None
     ctx = context(group, x.device)
-    eligible = x.is_cuda and not capturing  # for the copy engines
-    road = ctx.road() if eligible else None  # a collective on the group's first CUDA call
+    road = ctx.road(capturing) if x.is_cuda else None  # a collective on the first CUDA call
     if chunks is None:
         choice = tuned(tuned_key(group, M, N, K, x.dtype, name))  # set by overlap.tune only
         if choice == "plain":
@@ -165,7 +164,7 @@ def _plan_for(x, w, name, group, chunks, backend, capturing) -> tuple[Plan, Cont
     transport = choose(
         backend,
         road,
-        eligible=eligible,
+        eligible=x.is_cuda,
         world_size=R,
         rows_split=splits_rows(M, name, R, tiles_for(M, bits, interpreter=not x.is_cuda)),
         rows_divisible=M % R == 0,
@@ -175,6 +174,12 @@ def _plan_for(x, w, name, group, chunks, backend, capturing) -> tuple[Plan, Cont
         num_sms=_num_sms(x.device), chunks=chunks, blocked=Context.blocked(transport),
         transport=transport,
     )  # fmt: skip
+    if capturing and transport == "ce" and not ctx.captures(p, x.dtype):
+        # a capture cannot make or grow the copy engines' buffers: NCCL (which runs anywhere)
+        p = make_plan(
+            M, N, K, world_size=R, collective=name, dtype_bits=bits, num_sms=_num_sms(x.device),
+            chunks=chunks, transport="torch",
+        )  # fmt: skip
     if p.path == "overlap" and not x.is_cuda and not before:  # (the all-gather runs no kernel)
         if not _interpreter():
             why = "CPU tensors and TRITON_INTERPRET is not 1"
@@ -513,9 +518,11 @@ def overlapped(
     """
     from .gemm import chunked_matmul  # Triton: imported on first use
 
-    transport = ctx.transport(p.transport)
-    slots, epilogue = transport.begin(p, out2)
+    transport = ctx.transport(p.transport, capturing)
     device = x2.device
+    s = ctx.comm_stream  # None on CPU: the interpreter runs the kernel to completion, then gloo
+    caller = torch.cuda.current_stream(device) if s is not None else None
+    slots, epilogue = transport.begin(p, out2, caller)
     if capturing:
         # A CUDA graph replays the targets it captured, so it gets counters of its own, zeroed
         # by the graph itself (on the caller stream, before `s` forks from it) at every replay.
@@ -524,7 +531,6 @@ def overlapped(
     else:
         counters = ctx.counters.tensor
         targets, views = ctx.counters.targets(p.tiles_per_chunk), ctx.counters.views
-    s = ctx.comm_stream  # None on CPU: the interpreter runs the kernel to completion, then gloo
 
     def wait(c: int) -> None:
         if trace is not None and c:
@@ -537,7 +543,6 @@ def overlapped(
     other_device = x2.is_cuda and device.index != torch.cuda.current_device()
     with torch.cuda.device(device) if other_device else contextlib.nullcontext():
         if s is not None:
-            caller = torch.cuda.current_stream(device)
             s.wait_stream(caller)  # inputs and buffers are ready before `s` touches them
         tiles = trace.tiles if trace is not None else None
         chunked_matmul(x2, w, slots, counters, p, scale, epilogue=epilogue, trace=tiles)
@@ -631,17 +636,14 @@ def _gather_forward(x, w, group, out, backend, chunks, keep) -> tuple[torch.Tens
             stream = torch.cuda.current_stream(x.device)
             guard.watch(stream, ctx.transport("torch").abort, p.describe())
         return out, (full if keep else x.new_empty(0))
-    transport = ctx.transport(p.transport)
+    transport = ctx.transport(p.transport, capturing)
     rank, m = ctx.rank, M // R
     s = ctx.comm_stream
     other_device = x.is_cuda and x.device.index != torch.cuda.current_device()
     with torch.cuda.device(x.device) if other_device else contextlib.nullcontext():
-        caller = None
-        if s is not None:
-            caller = torch.cuda.current_stream(x.device)
-            s.wait_stream(caller)  # the shard is ready before `s` reads it
+        caller = torch.cuda.current_stream(x.device) if s is not None else None
         try:
-            buf = transport.gather(p, x2.contiguous(), s)
+            buf = transport.gather(p, x2.contiguous(), s, caller)  # `s` waits for `caller`
             torch.matmul(x2, w, out=out[rank * m : (rank + 1) * m])  # own rows: no wait
             full = x.new_empty(M, K) if keep else x.new_empty(0)
             out3 = out.view(R, m, N)

@@ -668,3 +668,102 @@ def _uneven_one_gpu(rank, R, seed):
 def test_uneven_ops_one_gpu(monkeypatch):
     """One GPU: the uneven all-to-all and the MoE and embedding ops on CUDA tensors."""
     _on_host_road(monkeypatch, _uneven_one_gpu)
+
+
+def _graph_host_road_one_gpu(rank, R, seed, replays=10_000):
+    """2 ranks on GPU 0 over gloo: every op through the copy engines' host road captured in
+    one CUDA graph and replayed ``replays`` times on fresh inputs, each replay against float64;
+    eager calls of the same ops between replays (they share the transport's buffers and
+    flags); then ``torch.compile(mode="reduce-overhead")`` of a call. Inputs are drawn from a
+    generator both ranks seed alike, so each rank computes every rank's product itself (gloo
+    cannot reduce CUDA tensors inside a check)."""
+    import overlap
+    from overlap.context import _contexts
+
+    torch.cuda.set_device(0)
+    dev = torch.device("cuda", 0)
+    dt = torch.bfloat16
+    M, K, N = 1024, 256, 512
+    gw = torch.Generator(device=dev).manual_seed(seed)
+    w = torch.randn(K, N, device=dev, generator=gw, dtype=dt) / 16  # the same on both ranks
+    x = torch.empty(M, K, device=dev, dtype=dt)
+    xs = torch.empty(M // R, K, device=dev, dtype=dt)  # the all-gather's shard
+    outs = {c: torch.empty(M // R if c == "reduce_scatter" else M, N, device=dev, dtype=dt)
+            for c in COLLECTIVES}  # fmt: skip
+    outs["all_gather"] = torch.empty(M, N, device=dev, dtype=dt)
+
+    def calls():
+        for c in COLLECTIVES:
+            overlap.matmul_collective(x, w, c, out=outs[c], chunks=4, backend="ce")
+        overlap.all_gather_matmul(xs, w, out=outs["all_gather"], chunks=4, backend="ce")
+
+    def draw(i):  # every rank's x and shard of step i, then this rank's into the inputs
+        g = torch.Generator(device=dev).manual_seed(seed + 1 + i)
+        every = torch.randn(R, M, K, device=dev, generator=g, dtype=dt)
+        x.copy_(every[rank])
+        xs.copy_(every[rank, : M // R])
+        for out in outs.values():
+            out.fill_(float("nan"))
+        return every.double()
+
+    def check(every, when):
+        prods = every @ w.double()  # [R, M, N]
+        B = M // R
+        refs = {
+            "all_reduce": prods.sum(0),
+            "reduce_scatter": prods.sum(0)[rank * B : (rank + 1) * B],
+            "all_to_all": prods[:, rank * B : (rank + 1) * B].reshape(M, N),
+            "all_gather": every[:, : M // R].reshape(M, K) @ w.double(),
+        }
+        bad = []
+        for c, ref in refs.items():
+            why = mismatch(outs[c], ref, TOL[dt])
+            bad += [f"{when} {c}: {why}"] if why else []
+        return bad
+
+    failures = []
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):  # warm-up: kernels compiled, the transport's buffers sized
+        every = draw(-1)
+        calls()
+        failures += check(every, "warm-up")
+    torch.cuda.synchronize(dev)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        calls()
+    captured = [set(c._transports) for c in _contexts.values()]
+    if any(t != {"ce"} for t in captured):
+        failures.append(f"transports used by the contexts: {captured}, expected only 'ce'")
+    for i in range(replays):
+        every = draw(i)
+        graph.replay()
+        failures += check(every, f"replay {i}")
+        if i % 1000 == 999:  # eager calls between replays, on the caller's stream
+            every = draw(replays + i)
+            calls()
+            failures += check(every, f"eager after replay {i}")
+        if len(failures) > 8:
+            break
+    torch.cuda.synchronize(dev)
+
+    @torch.compile(mode="reduce-overhead", fullgraph=True)
+    def compiled(a, b):
+        return overlap.matmul_allreduce(a, b, chunks=4) * 2
+
+    from torch._dynamo.utils import counters
+
+    for i in range(6):
+        every = draw(2 * replays + i)
+        got = compiled(x, w).clone()
+        why = mismatch(got, 2 * (every @ w.double()).sum(0), TOL[dt])
+        failures += [f"reduce-overhead call {i}: {why}"] if why else []
+    if counters["inductor"]["cudagraph_skips"]:
+        failures.append("torch.compile(mode='reduce-overhead') skipped CUDA graphs")
+    return failures
+
+
+def test_cuda_graph_host_road_one_gpu(monkeypatch):
+    """One GPU: the copy engines' host road in a CUDA graph (10,000 replays on fresh inputs,
+    eager calls between) and under ``torch.compile(mode="reduce-overhead")``."""
+    _on_host_road(monkeypatch, _graph_host_road_one_gpu)

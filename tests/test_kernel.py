@@ -80,7 +80,7 @@ def test_epilogue_needs_a_blocked_plan():
         64, 64, 32, world_size=2, collective="all_reduce", dtype_bits=32, interpreter=True, chunks=2
     )
     counters = ChunkCounters(torch.device("cpu"))
-    epi = Epilogue(torch.empty(64, 64), torch.empty(2, 32, 64), counters.tensor, 1, 0)
+    epi = Epilogue(torch.empty(64, 64), torch.empty(2, 32, 64), counters.tensor, 0)
     with pytest.raises(ValueError, match="blocked plan"):
         chunked_matmul(torch.randn(64, 32), torch.randn(32, 64), torch.empty(64 * 64),
                        counters.tensor, p, epilogue=epi)  # fmt: skip
@@ -138,7 +138,7 @@ def test_nan_and_inf_land_where_the_product_has_them(dtype):
 def test_blocked_plan_fused_epilogue(collective, R, rank, shape, specials):
     """The copy-engine transport's kernel on one rank: the peers' bands go to the slot buffer
     (standard rows), this rank's block goes to ``out`` with every peer's pushed partial added
-    (all-to-all: stored as is); flags hold the epoch just below the 2**32 wrap. ``specials``:
+    (all-to-all: stored as is); every peer's flag set. ``specials``:
     NaN and Inf in x and w, this rank's block included: they must land where the product has
     them, with the partials added to the rest."""
     M, N, K = shape
@@ -155,12 +155,11 @@ def test_blocked_plan_fused_epilogue(collective, R, rank, shape, specials):
     w = w_nk.t().contiguous()
     recv = torch.randn(R, B, N)
     recv[rank] = float("nan")  # this rank's own slot is never read
-    epoch = (1 << 32) - 1
-    flags = torch.full((R * p.bands_per_block,), -1, dtype=torch.int32)  # epoch as int32
+    flags = torch.ones(R * p.bands_per_block, dtype=torch.int32)  # contract.SET
     flat = torch.full((M * N,), float("nan"))
     out = torch.full((B if collective == "reduce_scatter" else M, N), float("nan"))
     counters = ChunkCounters(torch.device("cpu"))
-    epi = Epilogue(out, recv, flags, epoch, rank)
+    epi = Epilogue(out, recv, flags, rank)
     chunked_matmul(x, w, flat, counters.tensor, p, scale=0.5, epilogue=epi)
     prod = 0.5 * (x.double() @ w.double())
     own = slice(rank * B, (rank + 1) * B)

@@ -12,8 +12,11 @@ that disagree on the launch order (``overlap/contract.py``) deadlock or add the 
 partials. One rank can run ahead of the others (``ahead``), and every rank issues two calls
 before anything runs, so the second call of a fast rank meets the first call of a slow one:
 that exercises the handshake (``ready`` flags) that keeps a call from overwriting buffers the
-previous one still reads. Results are checked against float64 over calls that cross the
-2**32 wrap of the epochs and counters. A wait that is never met fails as a deadlock.
+previous one still reads, and the zeroing of the one-shot flags: both calls issue the same
+operations with the same values, as a CUDA graph's replays do, so a flag zeroed too late lets
+the second call read a band early, and one zeroed too early deadlocks. Results are checked
+against float64 over calls that cross the 2**32 wrap of the chunk counters. A wait that is
+never met fails as a deadlock.
 """
 
 from __future__ import annotations
@@ -275,16 +278,17 @@ class _Sim:
         return True
 
 
-def _transports(kind, R, sim, start_epoch):
+def _transports(kind, R, sim):
     """R transports over CPU memory, their buffers made by hand (no symmetric memory, no
-    pinned host file), every flag set to ``start_epoch``."""
+    pinned host file), no flag set."""
     size = 16 << 20
     shared = torch.zeros(R * size, dtype=torch.uint8)  # the host road's one file
     ts = []
     for r in range(R):
         t = object.__new__(PeerTransport if kind == "peer" else HostTransport)
         t.group, t.device, t.rank, t.size = None, torch.device("cpu"), r, R
-        t.epoch, t.broken, t._views = start_epoch, False, {}
+        t.broken, t._views = False, {}
+        t.zeros = torch.zeros(FLAGS_BYTES, dtype=torch.uint8)
         if kind == "peer":
             t.buf = torch.zeros(size, dtype=torch.uint8)
         else:
@@ -299,14 +303,12 @@ def _transports(kind, R, sim, start_epoch):
             if kind == "peer"
             else [t.base + d * t.region for d in range(R)]
         )
-        for addr in t._local_flags():
-            _u32(addr).value = start_epoch & 0xFFFFFFFF
     return ts
 
 
 def _issue(sim, rank, t, counters, p, x, w, out, caller, comm):
     """What ``overlap.ops.overlapped`` does for one call, on simulated streams."""
-    slots, epilogue = t.begin(p, out)
+    slots, epilogue = t.begin(p, out, caller)
     comm.wait_stream(caller)
     targets = counters.targets(p.tiles_per_chunk)
 
@@ -348,7 +350,7 @@ def test_protocol_with_the_real_kernel(kind, collective, R, M, N, chunks, ahead,
     monkeypatch.setattr(host_mod, "_driver", lambda: fake)
     g = torch.Generator().manual_seed(R * 1000 + M + N)
     K = 16
-    ts = _transports(kind, R, sim, start_epoch=(1 << 32) - 2)  # the calls cross 2**32
+    ts = _transports(kind, R, sim)
     p = make_plan(M, N, K, world_size=R, collective=collective, dtype_bits=32, interpreter=True,
                   chunks=chunks, blocked=True, transport="ce")  # fmt: skip
     assert p.path == "overlap" and slot_bytes(p, torch.float32) <= 16 << 20
@@ -380,8 +382,7 @@ def _issue_gather(sim, rank, t, p, x, w, out, caller, comm):
     """What ``overlap.ops._gather_forward`` does for one call, on simulated streams: the own
     rows first, then each band of the shards after ``arrived`` for its chunks."""
     R, m = p.world_size, p.M // p.world_size
-    comm.wait_stream(caller)
-    buf = t.gather(p, x, comm)
+    buf = t.gather(p, x, comm, caller)
     own = slice(rank * m, (rank + 1) * m)
     sim.ops[caller.cuda_stream].append(("call", lambda: out[own].copy_(x @ w)))
     for q, h, chunks in p.shard_bands:
@@ -411,7 +412,7 @@ def test_all_gather_protocol(kind, R, m, chunks, ahead, monkeypatch):
     monkeypatch.setattr(host_mod, "_driver", lambda: fake)
     g = torch.Generator().manual_seed(R * 100 + m)
     K, N, M = 24, 20, R * m
-    ts = _transports(kind, R, sim, start_epoch=(1 << 32) - 2)
+    ts = _transports(kind, R, sim)
     p = make_plan(M, N, K, world_size=R, collective="all_gather", dtype_bits=32, interpreter=True,
                   chunks=chunks, blocked=True, transport="ce")  # fmt: skip
     assert p.path == "overlap" and p.bands_per_block >= 2, p.describe()

@@ -9,7 +9,7 @@
 #   timeline one traced all-reduce and reduce-scatter call (2 GPUs)
 #   four     the example and the benchmark at R = 4 (4 GPUs)
 # The 2-GPU suite does not fit one 600 s call: split it with PYTEST_K (a pytest -k expression)
-# over two calls.
+# over two calls. TEST_TIMEOUT: seconds per test (150 unless set).
 set -u
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -27,7 +27,7 @@ run_suite() {  # [pytest -k expression]
   ids=$(python3 -m pytest -m gpu tests/test_gpu.py -q -p no:cacheprovider --collect-only ${1:+-k "$1"} 2>/dev/null | grep "::")
   for id in $ids; do
     local t0=$SECONDS
-    if timeout 150 python3 -m pytest -m gpu "$id" -q -p no:cacheprovider > "$OUT/one_test.log" 2>&1; then
+    if timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -m gpu "$id" -q -p no:cacheprovider > "$OUT/one_test.log" 2>&1; then
       echo "PASS $((SECONDS - t0))s $id"
     else
       echo "FAIL(rc=$?) $((SECONDS - t0))s $id"; tail -25 "$OUT/one_test.log"

@@ -142,8 +142,8 @@ def main(out_path: str) -> None:
     plan = make_plan(M, N, K, world_size=2, collective="all_reduce", dtype_bits=16)
     bplan = make_plan(M, N, K, world_size=2, collective="all_reduce", dtype_bits=16, blocked=True)
     recv = torch.zeros(2, M // 2, N, device="cuda", dtype=torch.bfloat16)
-    kflags = torch.ones(64, dtype=torch.int32, device="cuda")  # epoch 1 already there
-    epi = Epilogue(y, recv, kflags, 1, 0)
+    kflags = torch.ones(64, dtype=torch.int32, device="cuda")  # every flag set already
+    epi = Epilogue(y, recv, kflags, 0)
     for name, p, kw in (("grid", plan, {}), ("fused grid", bplan, {"epilogue": epi})):
         chunked_matmul(x, w, y.view(-1), cnt, p, **kw)
         for turn in (1, 2):  # taking turns: the first runs after a compile measured slower
@@ -231,17 +231,17 @@ def _transport_python() -> dict:
             for coll in ("all_reduce", "reduce_scatter"):
                 p = make_plan(M, N, K, world_size=2, collective=coll, dtype_bits=16, blocked=True)
                 t = object.__new__(PeerTransport)
-                t.group, t.device, t.rank, t.size, t.epoch, t.broken = None, None, 0, 2, 0, False
-                t._views = {}
+                t.group, t.device, t.rank, t.size, t.broken = None, None, 0, 2, False
+                t._views, t.zeros = {}, torch.zeros(FLAGS_BYTES, dtype=torch.uint8, device="cuda")
                 stream = types.SimpleNamespace(cuda_stream=0)  # run reads its handle
                 t.buf = torch.empty(FLAGS_BYTES + 2 * M * N * 2, dtype=torch.uint8, device="cuda")
                 t.ptrs = [t.buf.data_ptr()] * 2
                 out = torch.empty(M if coll == "all_reduce" else M // 2, N, device="cuda",
                                   dtype=torch.bfloat16)  # fmt: skip
-                t.begin(p, out)
+                t.begin(p, out, stream)
                 t0 = time.perf_counter()
                 for _ in range(500):
-                    slots, _ = t.begin(p, out)
+                    slots, _ = t.begin(p, out, stream)
                     t.run(p, slots, out, lambda c: None, stream)
                 us = (time.perf_counter() - t0) / 500 * 1e6
                 res[f"transport Python, {coll} {M}x{N}, {p.n_chunks} chunks"] = us

@@ -5,8 +5,9 @@
         --collective reduce_scatter --backend torch --out host.txt
 
 Rank 0 prints (and writes) the host milliseconds per call of the plain and the overlapped
-path and the functions that take the most time, own time first (the overlapped call's raw
-profile goes to OUT.prof). The GPU sleeps between calls so that the host never waits for it
+path, the overlapped call's when replayed from a CUDA graph (``graph.replay()``), and the
+functions that take the most time, own time first (the overlapped call's raw profile goes to
+OUT.prof). The GPU sleeps between calls so that the host never waits for it
 and only the host's own work is measured.
 
 ``--one-gpu``: both ranks on GPU 0 over gloo (a machine with one GPU; the overlapped call
@@ -72,26 +73,25 @@ def main() -> None:
     lines = [f"{args.shape} {args.collective} backend={args.backend} {torch.__version__}"]
     runs = [("plain: x @ w, then the collective", plain)] if not args.one_gpu else []
     described = overlap.plan(x, w, args.collective, backend=args.backend).describe()
+
+    def timed(run) -> list[float]:  # host ms per call, sorted
+        host = []
+        for _ in range(args.calls):
+            dist.barrier()
+            torch.cuda._sleep(20_000_000)  # ~10 ms: the GPU never holds the host back
+            t0 = time.perf_counter()
+            run()
+            host.append((time.perf_counter() - t0) * 1e3)
+            torch.cuda.synchronize()
+        return sorted(host)
+
     for what, run in (*runs, (described, ovl)):
         for _ in range(3):
             run()  # compile, make communicators
         torch.cuda.synchronize()
-        prof = cProfile.Profile()
-        host = []
-        for profiled in (False, True):  # the time without the profiler, then where it goes
-            for _ in range(args.calls):
-                dist.barrier()
-                torch.cuda._sleep(20_000_000)  # ~10 ms: the GPU never holds the host back
-                t0 = time.perf_counter()
-                if profiled:
-                    prof.enable()
-                run()
-                if profiled:
-                    prof.disable()
-                else:
-                    host.append((time.perf_counter() - t0) * 1e3)
-                torch.cuda.synchronize()
-        host.sort()
+        host = timed(run)
+        prof = cProfile.Profile()  # then where the time goes
+        timed(lambda run=run: (prof.enable(), run(), prof.disable()))
         med = host[len(host) // 2]
         lines.append(f"\n== {what}\nhost ms per call: median {med:.3f}, min {host[0]:.3f}")
         lines.append("(the profile below includes the profiler's own overhead)")
@@ -100,9 +100,15 @@ def main() -> None:
         buf = io.StringIO()
         pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
         lines.append(buf.getvalue())
-    if args.one_gpu:  # one more call's result (NaN before) against float64, on every rank
-        out.fill_(float("nan"))
+    graph = torch.cuda.CUDAGraph()  # the overlapped call captured once, then replayed
+    with torch.cuda.graph(graph):
         ovl()
+    host = timed(graph.replay)
+    lines.append(f"graph replay host ms per call: median {host[len(host) // 2]:.3f}, "
+                 f"min {host[0]:.3f}")  # fmt: skip
+    if args.one_gpu:  # one more call's result (NaN before), replayed, against float64
+        out.fill_(float("nan"))
+        graph.replay()
         r, B = dist.get_rank(), M // R
         if gathers:
             shards = [torch.empty_like(x.cpu()) for _ in range(R)]

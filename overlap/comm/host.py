@@ -10,7 +10,7 @@ that holds, for each destination rank ``d``, its flags and its slots ``[regions]
   (a device-to-host copy engine) into ``d``'s region, slot ``r``, then ``d``'s flag for it is
   set in host memory (``cuStreamWriteValue32`` on the host address, after a fence).
 - Receiving (a second stream, so that both directions of the PCIe link work at once): once
-  a peer's flag in this rank's region holds the epoch, the band is copied host-to-device
+  a peer's flag in this rank's region is set, the band is copied host-to-device
   into the device receive slot and the kernel's device flag is set (all-reduce and
   reduce-scatter: the GEMM's epilogue adds it), or straight into ``out`` (all-to-all, and
   all-reduce's gathered bands).
@@ -52,7 +52,7 @@ class HostTransport(PeerTransport):
         self.recv: torch.Tensor | None = None  # device receive slots (uint8)
         _, highest = torch.cuda.Stream.priority_range()
         self.recv_stream = torch.cuda.Stream(device, priority=highest)
-        # the kernel's ARRIVED flags, in device memory; epochs only grow, so never reset
+        # the kernel's ARRIVED flags, in device memory (zeroed by _clear, set by the receives)
         self.dflags = torch.zeros(FLAGS_BYTES // 4, dtype=torch.int32, device=device)
 
     @property
@@ -81,7 +81,7 @@ class HostTransport(PeerTransport):
             folder = "/dev/shm" if room > 2 * size else tempfile.gettempdir()
             path[0] = os.path.join(folder, f"overlap-{uuid.uuid4().hex}")
             with open(path[0], "wb") as f:
-                f.truncate(size)  # zero-filled: epochs start at 1, so zero means "not yet"
+                f.truncate(size)  # zero-filled: no flag set
         src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
         dist.broadcast_object_list(path, src=src, group=self.group)
         fd = os.open(path[0], os.O_RDWR)
@@ -111,6 +111,19 @@ class HostTransport(PeerTransport):
             self.mapping = None
             mm.close()
 
+    def fits(self, p: Plan, dtype: torch.dtype) -> bool:
+        """Whether a call of plan ``p`` needs no bigger host or device buffers."""
+        es = dtype.itemsize
+        need = p.M * p.K * es if p.spec.before else slot_bytes(p, dtype)
+        device = p.M * (p.K if p.spec.before else p.N) * es
+        return (self.mapping is not None and self.region >= FLAGS_BYTES + need
+                and self.recv is not None and self.recv.numel() >= device)  # fmt: skip
+
+    def _clear(self, cu_stream) -> None:
+        """Zero this rank's flags in host memory but READY, and the kernel's device flags."""
+        super()._clear(cu_stream)
+        self._copy(cu_stream, self.dflags.data_ptr(), self.zeros.data_ptr(), FLAGS_BYTES)
+
     def _device_recv(self, n: int) -> None:
         """Device receive slots of at least ``n`` bytes."""
         if self.recv is None or self.recv.numel() < n:
@@ -118,24 +131,27 @@ class HostTransport(PeerTransport):
             self.recv = torch.empty(n, dtype=torch.uint8, device=self.device)
             self._views.clear()  # they would keep the old slots alive
 
-    def _gathered(self, p: Plan, dtype: torch.dtype) -> torch.Tensor:
+    def _gathered(self, p: Plan, dtype: torch.dtype, stream: torch.cuda.Stream) -> torch.Tensor:
         """The all-gather's receiving side (``gather``'s pushes go to the host): on the
-        receive stream, each peer's band ``k`` from this rank's host region into the device
-        receive slots once its host flag is set, then the device flag that ``arrived``
-        waits on. Returns the device receive slots ``[M, K]``."""
+        receive stream, after ``stream``'s work so far, each peer's band ``k`` from this
+        rank's host region into the device receive slots once its host flag is set, then
+        the device flag that ``arrived`` waits on. Returns the device receive slots
+        ``[M, K]``."""
         n = p.M * p.K * dtype.itemsize
         self._device_recv(n)
+        self.recv_stream.wait_stream(stream)  # after this call's start (the caller's reads)
         for k in range(p.bands_per_block):
             self._receive(p, None, k, self.recv_stream.cuda_stream, self.recv.data_ptr(),
                           dtype.itemsize)  # fmt: skip
         return self.recv[:n].view(dtype).view(p.M, p.K)
 
-    def gather(self, p: Plan, x: torch.Tensor, stream: torch.cuda.Stream) -> torch.Tensor:
+    def gather(
+        self, p: Plan, x: torch.Tensor, stream: torch.cuda.Stream, caller: torch.cuda.Stream
+    ) -> torch.Tensor:
         """``PeerTransport.gather`` through host memory: pushes on ``stream``, receives on
         the receive stream (both directions of the link at once); ``stream`` then waits for
         the receives (after its pushes: the peers' receives wait for those)."""
-        self.recv_stream.wait_stream(stream)  # after this call's start (the caller's reads)
-        buf = super().gather(p, x, stream)
+        buf = super().gather(p, x, stream, caller)
         stream.wait_stream(self.recv_stream)
         return buf
 

@@ -154,7 +154,13 @@ class NcclTransport(Transport):
         self._events: list[torch.cuda.Event] = []  # one per chunk (`events`)
         self._orders: dict[tuple, torch.Tensor] = {}  # run_splits' row orders
 
-    def gather(self, plan: Plan, x: torch.Tensor, stream: torch.cuda.Stream | None) -> torch.Tensor:
+    def gather(
+        self,
+        plan: Plan,
+        x: torch.Tensor,
+        stream: torch.cuda.Stream | None,
+        caller: torch.cuda.Stream | None,
+    ) -> torch.Tensor:
         """One ``all_gather_into_tensor`` per chunk into its slot (``[R, rows, K]``: the
         chunk's rows of every shard, in rank order); on CUDA an event recorded after each."""
         buf = x.new_empty(plan.M, plan.K)
@@ -163,6 +169,7 @@ class NcclTransport(Transport):
             for c in range(plan.n_chunks):
                 self._gather_chunk(plan, c, x, buf, R)
             return buf
+        stream.wait_stream(caller)  # the shard is ready before `stream` reads it
         events = self.events(plan.n_chunks)
         with torch.cuda.stream(stream):  # NCCL issues on the current stream
             for c in range(plan.n_chunks):
@@ -233,7 +240,7 @@ class NcclTransport(Transport):
             self._orders[key] = order.to(device)
         return self._orders[key]
 
-    def begin(self, plan: Plan, out: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def begin(self, plan: Plan, out: torch.Tensor, caller=None) -> tuple[torch.Tensor, None]:
         if plan.spec.replicated and plan.n_col_bands == 1:
             return out.view(-1), None  # row bands of the standard layout are contiguous
         return torch.empty(plan.M * plan.N, dtype=out.dtype, device=out.device), None

@@ -12,7 +12,7 @@ order, the flag layout and the kernel's ``Epilogue``):
 
 - a band of block ``d != r`` is stored in the slot buffer and, once its counter is reached,
   pushed into rank ``d``'s receive slot ``r``; then the flag ``ARRIVED[r][k]`` (band ``k`` of
-  the block) on rank ``d`` is set to the call's epoch;
+  the block) on rank ``d`` is set;
 - a tile of block ``r`` waits (in the kernel) for every peer's ``ARRIVED`` flag of its band,
   adds their partials from the receive slots and stores the sum straight into ``out``. The
   peers computed this block first, so their pushes landed long before (no wait in practice).
@@ -28,19 +28,25 @@ rank: as NCCL's ring, (R - 1) / R of the product for reduce-scatter and all-to-a
 
 Buffer per rank (symmetric memory): flags (``contract.FlagLayout``: ``READY[R]``,
 ``ARRIVED[R][b]``, ``GATHERED[R][b]``), then receive slots ``[R, B, N]``, then (all-reduce)
-gather slots ``[R, B, N]``. Flags are written by peers with ``cuStreamWriteValue32`` (which
-fences the stream's earlier copies) and awaited with ``cuStreamWaitValue32(GEQ)`` or, in the kernel,
-with acquire loads; values are the epoch of this transport's calls (ranks call in the same
-order, as with NCCL), compared cyclically. A call begins with ``READY`` to every peer and
-waits for theirs, so no buffer is written before its owner has finished the previous call
-(which ended when its kernel had read the receive slots and its copies had read the gather
-slots). Nothing on the communication stream needs an SM: the kernel's waiting tiles could
-otherwise hold every SM while the push they wait for queued behind a kernel.
+gather slots ``[R, B, N]``. Flags are set (``contract.SET``) by peers with
+``cuStreamWriteValue32`` (which fences the stream's earlier copies) and awaited with
+``cuStreamWaitValue32(GEQ)`` or, in the kernel, with acquire loads. They are one-shot, so
+every call issues the same operations with the same values and a CUDA graph can replay them.
+A call begins (``_handshake``) by zeroing this rank's ARRIVED and GATHERED flags (one copy
+from a zeroed buffer: everything the previous call waited for has been seen, since this
+stream's previous call is finished), then sets ``READY`` on every peer and waits for theirs,
+zeroing each once seen. So no buffer or flag is written before its owner has finished the
+previous call (which ended when its kernel had read the receive slots and its copies had
+read the gather slots), and a peer's READY for the next call cannot come before its zeroing
+(the peer first needs this call's pushes, issued after it). Nothing on the communication
+stream needs an SM: the kernel's waiting tiles could otherwise hold every SM while the push
+they wait for queued behind a kernel.
 
 Needs: CUDA, torch symmetric memory, cuda-python, P2P access between all ranks' GPUs
 (``route``; ranks of one host without P2P go through host memory instead, ``host.py``).
-Column-band plans and CUDA-graph capture (epochs are host values) use NCCL
-(``transport.choose``, ``overlap/context.py``).
+Column-band plans use NCCL (``transport.choose``). One transport per (group, device), shared
+by the contexts of every caller stream (``overlap/context.py``), so that a call captured in a
+CUDA graph uses the buffer an eager call sized: a capture cannot allocate symmetric memory.
 
 Hazard: never put SM work on the communication stream of this transport (a timestamp kernel
 there hung both GPUs once): the GEMM's own tiles spin in their epilogue until the peers'
@@ -58,9 +64,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from ..contract import FLAGS_BYTES, Epilogue, FlagLayout, band_launched, kernel_flags_start
+from ..contract import FLAGS_BYTES, SET, Epilogue, FlagLayout, band_launched, kernel_flags_start
 from ..plan import Plan
-from ..signal.counters import MASK
 from ..signal.wait import _driver, method
 from .transport import Transport
 
@@ -117,8 +122,7 @@ def receive_slots(buf: torch.Tensor, p: Plan, dtype: torch.dtype) -> torch.Tenso
 
 
 class PeerTransport(Transport):
-    """Copy-engine pushes into symmetric-memory receive buffers; one per context (caller
-    stream), since the buffer and the epoch belong to one stream of calls."""
+    """Copy-engine pushes into symmetric-memory receive buffers; one per (group, device)."""
 
     name = "ce"
     blocked = True
@@ -127,8 +131,8 @@ class PeerTransport(Transport):
     def __init__(self, group: dist.ProcessGroup | None, device: torch.device) -> None:
         self.group, self.device = group, device
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
-        self.epoch = 0
         self.broken = False
+        self.zeros = torch.zeros(FLAGS_BYTES, dtype=torch.uint8, device=device)  # _clear's
         self.buf: torch.Tensor | None = None  # uint8, local view of the symmetric buffer
         self.ptrs: list[int] = []  # every rank's buffer, mapped here
         self._views: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # _prepare's
@@ -151,7 +155,7 @@ class PeerTransport(Transport):
             symm_mem.enable_symm_mem_for_group(group.group_name)
         buf = symm_mem.empty(size, dtype=torch.uint8, device=self.device)
         handle = symm_mem.rendezvous(buf, group.group_name)
-        buf[:FLAGS_BYTES].zero_()  # epochs start at 1, so zeroed flags mean "not yet"
+        buf[:FLAGS_BYTES].zero_()  # no flag set
         torch.cuda.synchronize(self.device)
         dist.barrier(group=self.group)  # every rank's flags are zero before anyone writes
         self.buf, self.handle = buf, handle
@@ -184,47 +188,56 @@ class PeerTransport(Transport):
     def _usable(self, p: Plan) -> None:
         if self.broken:
             raise RuntimeError(
-                "the copy-engine transport of this stream was aborted (validation mode's "
-                "timeout); its epochs no longer match the peers'"
+                "the copy-engine transport of this group was aborted (validation mode's "
+                "timeout); its flags no longer match the peers'"
             )
         _layout(self.size, p.bands_per_block).check()
 
-    def begin(self, p: Plan, out: torch.Tensor) -> tuple[torch.Tensor, Epilogue]:
-        """Before the GEMM launches (on the host): size the buffers, open the next epoch;
-        the slot buffer (``out`` itself where its peer blocks may serve as scratch) and the
-        kernel's ``Epilogue`` for the blocked plan ``p``."""
+    def fits(self, p: Plan, dtype: torch.dtype) -> bool:
+        """Whether a call of plan ``p`` needs no bigger buffer (growing one is a collective
+        and synchronizes the device, which a CUDA-graph capture cannot do)."""
+        need = p.M * p.K * dtype.itemsize if p.spec.before else slot_bytes(p, dtype)
+        return self.buf is not None and self.buf.numel() >= FLAGS_BYTES + need
+
+    def begin(
+        self, p: Plan, out: torch.Tensor, caller: torch.cuda.Stream
+    ) -> tuple[torch.Tensor, Epilogue]:
+        """Before the GEMM launches (on the host): size the buffers and zero this rank's
+        flags on ``caller`` (``_clear``); the slot buffer (``out`` itself where its peer
+        blocks may serve as scratch) and the kernel's ``Epilogue`` for the blocked plan
+        ``p``."""
         self._usable(p)
         recv, flags = self._prepare(p, out.dtype)
-        self.epoch += 1
+        self._clear(_driver().CUstream(caller.cuda_stream))
         if p.spec.replicated or (self.a2a_in_place and not p.spec.reduces):
             # the peers' blocks of `out` are scratch until their own data arrives
             slots = out.view(-1)
         else:
             slots = torch.empty(p.M * p.N, dtype=out.dtype, device=out.device)
-        return slots, Epilogue(out, recv, flags, self.epoch, self.rank)
+        return slots, Epilogue(out, recv, flags, self.rank)
 
-    def _write_at(self, stream: int, addr: int) -> None:
-        """Write this call's epoch into the int32 at ``addr`` (stream-ordered, after a fence
-        over the stream's earlier work)."""
+    def _write_at(self, stream: int, addr: int, value: int = SET) -> None:
+        """Write ``value`` into the int32 at ``addr`` (stream-ordered, after a fence over the
+        stream's earlier work)."""
         drv = _driver()
         ptr = drv.CUdeviceptr(addr)
-        (err,) = drv.cuStreamWriteValue32(drv.CUstream(stream), ptr, self.epoch & MASK, 0)
+        (err,) = drv.cuStreamWriteValue32(drv.CUstream(stream), ptr, value, 0)
         _check(err, "cuStreamWriteValue32")
 
     def _write(self, stream: int, rank: int, index: int) -> None:
-        """Write this call's epoch into int32 flag ``index`` of ``rank``."""
+        """Set int32 flag ``index`` of ``rank``."""
         self._write_at(stream, self._flag(rank, index))
 
     def _wait(self, stream: int, index: int) -> None:
-        """Order the rest of ``stream`` after this rank's flag ``index`` holds this epoch."""
+        """Order the rest of ``stream`` after this rank's flag ``index`` is set."""
         self._wait_at(stream, self._flag(self.rank, index))
 
     def _wait_at(self, stream: int, addr: int) -> None:
-        """Order the rest of ``stream`` after the int32 at ``addr`` holds this epoch."""
+        """Order the rest of ``stream`` after the int32 at ``addr`` is set."""
         drv = _driver()
         geq = drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
         ptr = drv.CUdeviceptr(addr)
-        (err,) = drv.cuStreamWaitValue32(drv.CUstream(stream), ptr, self.epoch & MASK, geq)
+        (err,) = drv.cuStreamWaitValue32(drv.CUstream(stream), ptr, SET, geq)
         _check(err, "cuStreamWaitValue32")
 
     def _copy(self, cu_stream, dst: int, src: int, n: int) -> None:
@@ -258,15 +271,22 @@ class PeerTransport(Transport):
             if into_recv:
                 self._write_at(stream, self.kernel_flag(flags.kernel_index(s, k)))
 
+    def _clear(self, cu_stream) -> None:
+        """Zero this rank's flags but READY, on the caller's stream before the call's other
+        work (the module docstring says why that is safe)."""
+        R = self.size
+        self._copy(cu_stream, self._flag(self.rank, R), self.zeros.data_ptr(), FLAGS_BYTES - 4 * R)
+
     def _handshake(self, stream: int, flags: FlagLayout) -> list[int]:
         """On ``stream``: READY to every peer (this rank's buffer may be written), then wait
-        for theirs; returns the peers in push order."""
+        for theirs, zeroing each; returns the peers in push order."""
         R, r = self.size, self.rank
         peers = [(r + j) % R for j in range(1, R)]
         for d in peers:
             self._write(stream, d, flags.ready(r))
         for s in peers:
             self._wait(stream, flags.ready(s))
+            self._write_at(stream, self._flag(r, flags.ready(s)), 0)
         return peers
 
     def _send(self, p: Plan, slots: torch.Tensor, out: torch.Tensor, wait, stream: int, own):
@@ -314,17 +334,21 @@ class PeerTransport(Transport):
             own = lambda k: self._receive(p, out, k, h)  # noqa: E731
         self._send(p, slots, out, wait, h, own)
 
-    def gather(self, p: Plan, x: torch.Tensor, stream: torch.cuda.Stream) -> torch.Tensor:
-        """The all-gather (blocked plan ``p``): READY to every peer and wait for theirs; then
-        band ``k`` of the shard ``x`` pushed into every peer's receive slot ``r`` (standard
-        layout ``[R, M / R, K]``, so the gathered rows land where ``x_full`` has them), each
+    def gather(
+        self, p: Plan, x: torch.Tensor, stream: torch.cuda.Stream, caller: torch.cuda.Stream
+    ) -> torch.Tensor:
+        """The all-gather (blocked plan ``p``): this rank's flags zeroed on ``caller``, which
+        ``stream`` then waits for; READY to every peer and wait for theirs; then band ``k``
+        of the shard ``x`` pushed into every peer's receive slot ``r`` (standard layout
+        ``[R, M / R, K]``, so the gathered rows land where ``x_full`` has them), each
         followed by ARRIVED[r][k] there, for ``k`` in order. Returns the receive slots as
         ``[M, K]`` (this rank's own rows are not written)."""
         self._usable(p)
         R, r, b, es = self.size, self.rank, p.bands_per_block, x.element_size()
         self._ensure(p.M * p.K * es)
-        self.epoch += 1
-        buf = self._gathered(p, x.dtype)
+        self._clear(_driver().CUstream(caller.cuda_stream))
+        stream.wait_stream(caller)  # the flags are zero and the shard ready before it starts
+        buf = self._gathered(p, x.dtype, stream)
         flags, band = _layout(R, b), p.run_rows * p.K * es
         h = stream.cuda_stream
         cu = _driver().CUstream(h)
@@ -335,7 +359,7 @@ class PeerTransport(Transport):
                 self._write(h, d, flags.arrived(r, k))
         return buf
 
-    def _gathered(self, p: Plan, dtype: torch.dtype) -> torch.Tensor:
+    def _gathered(self, p: Plan, dtype: torch.dtype, stream: torch.cuda.Stream) -> torch.Tensor:
         """Where the shards arrive: this rank's receive slots, ``[M, K]``."""
         n = p.M * p.K * dtype.itemsize
         return self.buf[FLAGS_BYTES : FLAGS_BYTES + n].view(dtype).view(p.M, p.K)
@@ -358,7 +382,7 @@ class PeerTransport(Transport):
 
     def abort(self) -> None:
         """Release this rank's waits on its peers (validation mode's timeout): every local
-        flag is set to the current epoch by stream memory writes on a side stream (no SM: a
+        flag is set by stream memory writes on a side stream (no SM: a
         GEMM waiting in its epilogue may hold them all); the transport refuses later calls."""
         self.broken = True
         side = torch.cuda.Stream(self.device)

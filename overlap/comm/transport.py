@@ -3,9 +3,11 @@
 A transport moves the chunks of a plan between the ranks of a group. An overlapped call
 (``overlap/ops.py``) asks it, in this order:
 
-1. ``begin(plan, out)`` on the host before the GEMM is launched: the flat buffer the GEMM
-   writes its chunk slots into, and the ``contract.Epilogue`` the transport asks of the
-   kernel (``None``: the plain epilogue, every tile to its slot);
+1. ``begin(plan, out, caller)`` on the host before the GEMM is launched and before the
+   communication stream forks from the caller stream ``caller`` (on which the copy engines
+   zero their flags): the flat buffer the GEMM writes its chunk slots into, and the
+   ``contract.Epilogue`` the transport asks of the kernel (``None``: the plain epilogue,
+   every tile to its slot);
 2. ``run(plan, slots, out, wait, stream)``: issue every chunk on ``stream`` (the
    communication stream; ``None`` on CPU), calling ``wait(c)`` first for each chunk ``c``
    it reads from ``slots`` (``wait`` orders the stream after chunk ``c``'s tiles);
@@ -13,8 +15,9 @@ A transport moves the chunks of a plan between the ranks of a group. An overlapp
 4. ``close()`` when the context is released (``overlap.release``).
 
 An all-gather (a collective *before* the matmul, ``overlap.all_gather_matmul``) asks instead
-``gather(plan, x, stream)``, which issues every chunk and returns the buffer the chunks
-arrive in, then ``arrived(plan, c, stream)`` before the consumer's matmuls of chunk ``c``.
+``gather(plan, x, stream, caller)``, which orders ``stream`` after ``caller``, issues every
+chunk and returns the buffer the chunks arrive in, then ``arrived(plan, c, caller)`` before
+the consumer's matmuls of chunk ``c``.
 
 ``blocked`` says which plan layout it runs (``make_plan(blocked=...)``). The transports:
 ``"torch"`` and ``"cupy"`` (NCCL, one collective per chunk: ``nccl.py``), ``"ce"`` (copy
@@ -40,10 +43,13 @@ class Transport:
     name: str = ""
     blocked: bool = False
 
-    def begin(self, plan: Plan, out: torch.Tensor) -> tuple[torch.Tensor, Epilogue | None]:
+    def begin(
+        self, plan: Plan, out: torch.Tensor, caller: torch.cuda.Stream | None
+    ) -> tuple[torch.Tensor, Epilogue | None]:
         """Host side, before the GEMM: ``(slots [M * N], epilogue)`` for ``plan``.
 
-        ``out``: the 2-D result (``Collective.result_shape``), contiguous."""
+        ``out``: the 2-D result (``Collective.result_shape``), contiguous; ``caller``: the
+        caller's stream (``None`` on CPU), on which work may be queued before the GEMM."""
         raise NotImplementedError
 
     def run(
@@ -58,10 +64,18 @@ class Transport:
         ``stream``'s work is done."""
         raise NotImplementedError
 
-    def gather(self, plan: Plan, x: torch.Tensor, stream: torch.cuda.Stream | None) -> torch.Tensor:
-        """Issue the all-gather of this rank's shard ``x [M / R, K]`` (contiguous) chunk by
-        chunk on ``stream``; returns the ``[M, K]`` buffer the chunks arrive in, laid out as
-        ``plan.shard_bands`` says (this rank's own rows may be left unwritten)."""
+    def gather(
+        self,
+        plan: Plan,
+        x: torch.Tensor,
+        stream: torch.cuda.Stream | None,
+        caller: torch.cuda.Stream | None,
+    ) -> torch.Tensor:
+        """Order ``stream`` after the caller's stream ``caller`` (after what the transport
+        queues there first), then issue the all-gather of this rank's shard ``x [M / R, K]``
+        (contiguous) chunk by chunk on ``stream``; returns the ``[M, K]`` buffer the chunks
+        arrive in, laid out as ``plan.shard_bands`` says (this rank's own rows may be left
+        unwritten)."""
         raise NotImplementedError
 
     def arrived(self, plan: Plan, c: int, stream: torch.cuda.Stream | None) -> None:
@@ -94,13 +108,12 @@ def choose(
     """The transport a call with ``backend`` takes.
 
     "torch" and "cupy" are taken as asked. "auto" and "ce" take the copy engines ("ce")
-    where they can run: a CUDA call outside graph capture (``eligible``; a graph replays the
-    epochs it captured), a road (``route``'s answer for the group: "peer", "host" or None),
-    a row-band plan (``rows_split``: decode-sized products are cut into column bands, which
-    NCCL moves) and ``M`` divisible by the world size. "auto" takes the road through host
-    memory only for 2 ranks: with 4 H200s without P2P it was slower than sequential
-    (0.79-0.94x) where NCCL per chunk reached 0.94-1.22x. Elsewhere both take NCCL through
-    torch.
+    where they can run: a CUDA call (``eligible``), a road (``route``'s answer for the group:
+    "peer", "host" or None), a row-band plan (``rows_split``: decode-sized products are cut
+    into column bands, which NCCL moves) and ``M`` divisible by the world size. "auto" takes
+    the road through host memory only for 2 ranks: with 4 H200s without P2P it was slower
+    than sequential (0.79-0.94x) where NCCL per chunk reached 0.94-1.22x. Elsewhere both take
+    NCCL through torch.
 
     Raises:
         ValueError: ``backend="ce"`` on an eligible call and no road (ranks on several hosts,

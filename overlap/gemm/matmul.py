@@ -36,7 +36,6 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..contract import Epilogue, first_band
 from ..plan import Plan
-from ..signal.counters import signed32
 
 # How the kernel reads w (pointer loads, TMA on w.t() [N, K], TMA on w [K, N]), and what the
 # epilogue does (every tile to its slot; own tiles add the peers' partials, or are stored as
@@ -65,10 +64,10 @@ def _load_ab(
     return a, b
 
 
-@triton.jit(do_not_specialize=["epoch"])
+@triton.jit
 def _chunked_matmul_kernel(
     x_ref, w_ref, slots_ptr, counter_ptr, trace_ptr, bad_rows_ptr, bad_cols_ptr,
-    out_ptr, recv_ref, flags_ptr, epoch, rank, world, first_band, bands_per_block, out_row0,
+    out_ptr, recv_ref, flags_ptr, rank, world, first_band, bands_per_block, out_row0,
     M, N, K, stride_xm, stride_xk, stride_wk, stride_wn,
     num_pid_m, tiles_per_band, run_rows_full, run_rows_last, n_bands, chunk_cols, scale,
     RUNS: tl.constexpr, X_DESC: tl.constexpr, W_MODE: tl.constexpr, P_DESC: tl.constexpr,
@@ -156,7 +155,8 @@ def _chunked_matmul_kernel(
     if own:
         # This rank's block (computed last): add the peers' partials of this tile, pushed
         # into `recv` ([world, M / world, N], slot s from rank s) by their copy engines, once
-        # each peer's flag for this band holds this call's epoch; store into `out` directly.
+        # each peer's flag for this band is set (1; the transport zeroes it before the next
+        # call); store into `out` directly.
         block_rows = M // world
         brow = tl.cast(x_row0 - rank * block_rows + offs_i, tl.int64)  # rows in the block
         if EPILOGUE == EPI_ADD:
@@ -165,7 +165,7 @@ def _chunked_matmul_kernel(
             for s in range(0, world):
                 if s != rank:
                     flag = flags_ptr + s * bands_per_block + k  # FlagLayout.kernel_index
-                    while tl.atomic_add(flag, 0, sem="acquire", scope="sys") - epoch < 0:
+                    while tl.atomic_add(flag, 0, sem="acquire", scope="sys") == 0:
                         pass
                     if P_DESC:  # TMA: rows past the block are read, never stored
                         part = recv_ref.load([s * block_rows + x_row0 - rank * block_rows, n0])
@@ -264,7 +264,7 @@ def chunked_matmul(
     n_tiles = plan.num_tile_rows * -(-N // t.block_n)  # triton.cdiv costs ~5 us on the host
     R = plan.world_size
     mode, p_desc = EPI_SLOTS.value, False
-    e_args = (counters, counters, counters, 0, 0, R, 0, 1, 0)  # unused
+    e_args = (counters, counters, counters, 0, R, 0, 1, 0)  # unused
     if epilogue is not None:
         if not plan.blocked:
             raise ValueError("an epilogue needs a blocked plan (make_plan(blocked=True))")
@@ -275,8 +275,8 @@ def chunked_matmul(
         if p_desc:  # the peers' partials through TMA
             recv = _descriptor(recv, [t.block_m, t.block_n])
         out_row0 = epilogue.rank * (M // R) if plan.spec.scatters else 0
-        e_args = (epilogue.out, recv, epilogue.flags, signed32(epilogue.epoch), epilogue.rank,
-                  R, first_band(epilogue.rank, R, b), b, out_row0)  # fmt: skip
+        e_args = (epilogue.out, recv, epilogue.flags, epilogue.rank, R,
+                  first_band(epilogue.rank, R, b), b, out_row0)  # fmt: skip
     args = (
         x_ref, w_ref, slots, counters, trace if trace is not None else counters,
         bad_rows, bad_cols, *e_args,
@@ -293,17 +293,16 @@ def chunked_matmul(
     return _launch(n_tiles, args, consts, t.num_warps, t.num_stages)
 
 
-_EPOCH_ARG = _chunked_matmul_kernel.arg_names.index("epoch")
 _CONSTS = tuple(_chunked_matmul_kernel.arg_names[_chunked_matmul_kernel.arg_names.index("RUNS") :])
 _compiled: dict[tuple, CompiledKernel] = {}  # _launch_key -> the kernel Triton compiled for it
 
 
 def _launch_key(args: tuple, consts: dict, num_warps: int, num_stages: int) -> tuple:
     """What Triton's specialization of these arguments can depend on, and more: every integer
-    but the epoch by value (Triton specializes integers on == 1, divisibility by 16 and
-    width), tensors by dtype and 16-byte alignment, descriptors by everything but their
-    base's address (its alignment is kept), other arguments by type. Equal keys therefore
-    mean the same compiled kernel; unequal keys at worst go through Triton's JIT once more."""
+    by value (Triton specializes integers on == 1, divisibility by 16 and width), tensors by
+    dtype and 16-byte alignment, descriptors by everything but their base's address (its
+    alignment is kept), other arguments by type. Equal keys therefore mean the same compiled
+    kernel; unequal keys at worst go through Triton's JIT once more."""
     key = []
     for a in args:
         t = type(a)
@@ -317,7 +316,6 @@ def _launch_key(args: tuple, consts: dict, num_warps: int, num_stages: int) -> t
             key.append((a.dtype, a.data_ptr() % 16 == 0))
         else:
             key.append(t)
-    key[_EPOCH_ARG] = None  # do_not_specialize; signed32 keeps it an int32
     return (*key, *consts.values(), num_warps, num_stages)
 
 
