@@ -3,7 +3,6 @@
 ``context(group, device)`` returns the context of the current stream, made on first use:
 
 - the communication stream (high priority), made once;
-- the chunk counters (``signal.ChunkCounters``), whose epochs belong to one stream of calls;
 - the transports the calls of this stream used, by name (``transport``).
 
 Per (group, device), also kept here and shared by the contexts of every stream, since a CUDA
@@ -34,7 +33,7 @@ import torch.distributed as dist
 from .comm import HostTransport, NcclTransport, PeerTransport, Transport, make_comm, route
 from .guard import group_name
 from .plan import Plan
-from .signal import ChunkCounters, current_raw_stream
+from .signal import current_raw_stream
 
 MAX_CONTEXTS = 256
 
@@ -51,15 +50,7 @@ class Context:
             self.caller = torch.cuda.current_stream(device)
             _, highest = torch.cuda.Stream.priority_range()
             self.comm_stream = torch.cuda.Stream(device, priority=highest)
-        self._counters: ChunkCounters | None = None
         self._transports: dict[str, Transport] = {}
-
-    @property
-    def counters(self) -> ChunkCounters:
-        """This stream's chunk counters (eager calls; made on first use)."""
-        if self._counters is None:
-            self._counters = ChunkCounters(self.device)
-        return self._counters
 
     def road(self, capturing: bool = False) -> str | None:
         """``comm.route``'s answer for this group and device: a collective the first time
@@ -112,11 +103,10 @@ class Context:
         return sum(t.nbytes for t in self._transports.values())
 
     def close(self) -> None:
-        """Free the transports' buffers and the counters (no call may be in flight)."""
+        """Free the transports' buffers (no call may be in flight)."""
         for t in self._transports.values():
             t.close()
         self._transports.clear()
-        self._counters = None
 
 
 _contexts: dict[tuple, Context] = {}  # (group, device, caller stream handle) -> Context
@@ -166,7 +156,7 @@ def context(group: dist.ProcessGroup | None, device: torch.device) -> Context:
 
 def release(group: dist.ProcessGroup | None = None) -> None:
     """Free everything the library keeps for ``group``, the object the calls passed
-    (``None`` for calls that passed none): the buffers of its transports, its counters,
+    (``None`` for calls that passed none): the buffers of its transports,
     communicators, contexts and tuned choices.
 
     Every rank of the group calls it at the same point of the program, with no call of the

@@ -23,12 +23,15 @@ same call, with a timeout, before anything is launched (``overlap/guard.py``, RE
 
 Hazards: calls on one stream are serialized by that stream (the caller waits for the
 communication stream at the end of every call, which also makes buffers allocated on the
-caller stream safe to reuse). Calls can be captured in CUDA graphs (after one eager warm-up
-call): a captured call counts on counters of its own that the graph zeroes at every replay,
-and always goes through NCCL (the copy engines' flags hold per-call epochs that a replay
-cannot renew). The first call of a group on a CUDA device asks every rank which road the
-copy engines have (a collective), so every rank must make it. The Triton interpreter is used
-for CPU tensors only when ``TRITON_INTERPRET=1`` is set before ``overlap`` first launches a
+caller stream safe to reuse); calls of two streams through the copy engines are serialized
+too (they share the group's buffers, ``overlap/context.py``). Calls can be captured in CUDA
+graphs after one eager warm-up call of the same shapes: every call's chunk counters and the
+copy engines' flags are zeroed by the call itself, so a replay repeats it exactly; the
+warm-up sizes the copy engines' buffers, which a capture cannot (without it a captured call
+takes NCCL). A graph's replays must not run beside the group's calls on other streams. The
+first call of a group on a CUDA device asks every rank which road the copy engines have (a
+collective), so every rank must make it. The Triton interpreter is used for CPU tensors only
+when ``TRITON_INTERPRET=1`` is set before ``overlap`` first launches a
 kernel (Triton reads it when the kernel is defined).
 """
 
@@ -523,14 +526,11 @@ def overlapped(
     s = ctx.comm_stream  # None on CPU: the interpreter runs the kernel to completion, then gloo
     caller = torch.cuda.current_stream(device) if s is not None else None
     slots, epilogue = transport.begin(p, out2, caller)
-    if capturing:
-        # A CUDA graph replays the targets it captured, so it gets counters of its own, zeroed
-        # by the graph itself (on the caller stream, before `s` forks from it) at every replay.
-        counters = torch.zeros(p.n_chunks, dtype=torch.int32, device=device)
-        targets, views = list(p.tiles_per_chunk), counters.split(1)
-    else:
-        counters = ctx.counters.tensor
-        targets, views = ctx.counters.targets(p.tiles_per_chunk), ctx.counters.views
+    # Counters of this call, zeroed on the caller stream before `s` forks from it (a CUDA
+    # graph zeroes them at every replay); freed memory is safe to reuse on the caller stream,
+    # which waits for `s` at the end.
+    counters = torch.zeros(p.n_chunks, dtype=torch.int32, device=device)
+    targets, views = p.tiles_per_chunk, counters.split(1)
 
     def wait(c: int) -> None:
         if trace is not None and c:
@@ -546,8 +546,6 @@ def overlapped(
             s.wait_stream(caller)  # inputs and buffers are ready before `s` touches them
         tiles = trace.tiles if trace is not None else None
         chunked_matmul(x2, w, slots, counters, p, scale, epilogue=epilogue, trace=tiles)
-        if not capturing:
-            ctx.counters.commit(targets)
         try:
             transport.run(p, slots, out2, wait, s)
             if trace is not None:

@@ -15,8 +15,7 @@ that exercises the handshake (``ready`` flags) that keeps a call from overwritin
 previous one still reads, and the zeroing of the one-shot flags: both calls issue the same
 operations with the same values, as a CUDA graph's replays do, so a flag zeroed too late lets
 the second call read a band early, and one zeroed too early deadlocks. Results are checked
-against float64 over calls that cross the 2**32 wrap of the chunk counters. A wait that is
-never met fails as a deadlock.
+against float64. A wait that is never met fails as a deadlock.
 """
 
 from __future__ import annotations
@@ -36,7 +35,6 @@ from overlap.comm.peer import PeerTransport, slot_bytes
 from overlap.contract import FLAGS_BYTES
 from overlap.gemm import chunked_matmul
 from overlap.plan import make_plan
-from overlap.signal import ChunkCounters, reached
 
 
 class _Stream:
@@ -267,12 +265,12 @@ class _Sim:
             ctypes.memmove(op[1], op[2], op[3])
         elif kind == "write":
             _u32(op[1]).value = op[2]
-        elif kind == "wait":
-            return reached(_u32(op[1]).value, op[2])
+        elif kind == "wait":  # GEQ
+            return _u32(op[1]).value >= op[2]
         elif kind == "after":
             return done[op[1]] >= op[2]
         elif kind == "counter":
-            return reached(int(op[1]) & 0xFFFFFFFF, op[2])
+            return int(op[1]) >= op[2]
         elif kind == "call":  # a matmul of the all-gather's consumer
             op[1]()
         return True
@@ -306,20 +304,20 @@ def _transports(kind, R, sim):
     return ts
 
 
-def _issue(sim, rank, t, counters, p, x, w, out, caller, comm):
-    """What ``overlap.ops.overlapped`` does for one call, on simulated streams."""
+def _issue(sim, rank, t, p, x, w, out, caller, comm):
+    """What ``overlap.ops.overlapped`` does for one call, on simulated streams (the call's
+    own zeroed counters)."""
     slots, epilogue = t.begin(p, out, caller)
+    counters = torch.zeros(p.n_chunks, dtype=torch.int32)
     comm.wait_stream(caller)
-    targets = counters.targets(p.tiles_per_chunk)
 
     def launch():
-        chunked_matmul(x, w, slots, counters.tensor, p, epilogue=epilogue)
+        chunked_matmul(x, w, slots, counters, p, epilogue=epilogue)
 
     sim.ops[caller.cuda_stream].append(("kernel", launch))
-    counters.commit(targets)
 
     def wait(c):
-        sim.ops[comm.cuda_stream].append(("counter", counters.views[c], targets[c]))
+        sim.ops[comm.cuda_stream].append(("counter", counters[c], p.tiles_per_chunk[c]))
 
     t.run(p, slots, out, wait, comm)
     caller.wait_stream(comm)
@@ -355,7 +353,6 @@ def test_protocol_with_the_real_kernel(kind, collective, R, M, N, chunks, ahead,
                   chunks=chunks, blocked=True, transport="ce")  # fmt: skip
     assert p.path == "overlap" and slot_bytes(p, torch.float32) <= 16 << 20
     assert p.band_tile_rows(0) * -(-N // p.tiles.block_n) >= 2, "a band must have 2+ tiles"
-    counters = [ChunkCounters(torch.device("cpu"), start=(1 << 32) - 3) for _ in range(R)]
     callers = [_Stream(sim, f"caller{r}") for r in range(R)]
     comms = [_Stream(sim, f"comm{r}") for r in range(R)]
     rows = M // R if p.spec.scatters else M
@@ -366,7 +363,7 @@ def test_protocol_with_the_real_kernel(kind, collective, R, M, N, chunks, ahead,
             ws = [torch.randn(N, K, generator=g).t() for _ in range(R)]
             outs = [torch.full((rows, N), float("nan")) for _ in range(R)]
             for r, t in enumerate(ts):
-                _issue(sim, r, t, counters[r], p, xs[r], ws[r], outs[r], callers[r], comms[r])
+                _issue(sim, r, t, p, xs[r], ws[r], outs[r], callers[r], comms[r])
             calls.append((xs, ws, outs))
         sim.run(R, ahead)
     finally:

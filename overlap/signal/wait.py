@@ -17,8 +17,6 @@ import warnings
 
 import torch
 
-from .counters import reached
-
 _method: str | None = None
 
 
@@ -93,16 +91,16 @@ def wait_counter(counter: torch.Tensor, target: int, stream: torch.cuda.Stream |
     """Order everything issued later on ``stream`` after ``counter[0]`` reaches ``target``.
 
     Args:
-        counter: one-element int32 view of a chunk counter.
-        target: unsigned 32-bit target value.
+        counter: one-element int32 view of a chunk counter (zeroed before its kernel).
+        target: the chunk's tile count.
         stream: the CUDA stream that waits; ``None`` for CPU counters.
 
     Raises:
         RuntimeError: (CPU) the counter is short of its target after the kernel finished.
     """
     if not counter.is_cuda:
-        value = int(counter.item()) & 0xFFFFFFFF
-        if not reached(value, target):
+        value = int(counter.item())
+        if value < target:
             raise RuntimeError(
                 f"chunk counter is {value}, expected at least {target}: the GEMM did not "
                 "signal every tile of this chunk"
