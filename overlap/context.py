@@ -27,6 +27,8 @@ keep the caller streams few); more raise ``RuntimeError``.
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 import torch.distributed as dist
 
@@ -51,6 +53,9 @@ class Context:
             _, highest = torch.cuda.Stream.priority_range()
             self.comm_stream = torch.cuda.Stream(device, priority=highest)
         self._transports: dict[str, Transport] = {}
+        # CUDA graphs of this stream's copy-engine calls (ops._recorded), least recent first
+        self.records: OrderedDict[tuple, tuple] = OrderedDict()
+        self.record_stream: torch.cuda.Stream | None = None  # where they are captured
 
     def road(self, capturing: bool = False) -> str | None:
         """``comm.route``'s answer for this group and device: a collective the first time
@@ -104,6 +109,7 @@ class Context:
 
     def close(self) -> None:
         """Free the transports' buffers (no call may be in flight)."""
+        self.records.clear()  # (they hold the transports' addresses)
         for t in self._transports.values():
             t.close()
         self._transports.clear()

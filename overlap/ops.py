@@ -496,8 +496,65 @@ def _forward(x, w, collective, group, op, out, backend, chunks) -> torch.Tensor:
             stream = torch.cuda.current_stream(x.device)
             guard.watch(stream, ctx.transport("torch").abort, p.describe())
         return out
-    overlapped(x2, w, out2, p, scale, ctx, capturing)
+    call = functools.partial(overlapped, x2, w, out2, p, scale, ctx)
+    _recorded(call, ctx, p, capturing, (x2, w, out2), scale)
+    if guard.validating() and not capturing:  # a capturing stream cannot be queried
+        guard.watch(ctx.comm_stream, ctx.transport(p.transport).abort, p.describe())
     return out
+
+
+MAX_RECORDS = 64  # CUDA graphs of calls kept per context
+
+
+def _recorded(call, ctx: Context, p: Plan, capturing: bool, tensors: tuple, *extra) -> None:
+    """``call(capturing)`` issues an overlapped call of plan ``p`` on the current stream.
+
+    An eager copy-engine call made a second time with the same plan, arguments (``tensors``
+    by address, dtype, shape and strides; ``extra``) and transport buffers is captured into a
+    CUDA graph, which that call and every later one like it replays: one graph launch instead
+    of the ~25 driver calls and the kernel launch of an eager call (the GPU work is the
+    same: every call zeroes its own counters and flags). Only the first sighting runs
+    eagerly, so calls whose addresses never repeat pay no capture. The graphs of all
+    contexts share one memory pool: a call's temporaries die with it, and the group's
+    copy-engine calls never run at once. Not in validation mode (its watch needs the
+    communication stream), not for NCCL (not yet run on two GPUs), not while capturing.
+    """
+    if capturing or p.transport != "ce" or guard.validating():
+        call(capturing)
+        return
+    t = ctx.transport("ce")  # this stream after the last one of another stream
+    if t.broken:  # (validation mode was on) the call raises
+        call(False)
+        return
+    key = (id(p), t.generation, extra,
+           *[(a.data_ptr(), a.dtype, a.shape, a.stride()) for a in tensors])  # fmt: skip
+    seen = ctx.records.get(key)
+    if seen is None:  # first sighting
+        if len(ctx.records) >= MAX_RECORDS:
+            ctx.records.popitem(last=False)
+        ctx.records[key] = (p, None)  # (p: its id stays this plan's while the key lives)
+        call(False)
+        return
+    ctx.records.move_to_end(key)
+    graph = seen[1]
+    if graph is None:
+        graph = torch.cuda.CUDAGraph()
+        if ctx.record_stream is None:
+            ctx.record_stream = torch.cuda.Stream(ctx.device)
+        with torch.cuda.stream(ctx.record_stream):
+            graph.capture_begin(pool=_pool(ctx.device), capture_error_mode="thread_local")
+            try:
+                call(True)
+            finally:
+                graph.capture_end()
+        ctx.records[key] = (p, graph)
+    graph.replay()
+
+
+@functools.cache
+def _pool(device: torch.device):
+    """The memory pool of every recorded call's graph on ``device``."""
+    return torch.cuda.graph_pool_handle()
 
 
 def overlapped(
@@ -557,8 +614,6 @@ def overlapped(
                 # are free to reuse once this call's work on `s` is done (also when a chunk's
                 # collective raised: the chunks issued before it still use them).
                 caller.wait_stream(s)
-        if guard.validating() and not capturing:  # a capturing stream cannot be queried
-            guard.watch(s, transport.abort, p.describe())
 
 
 def all_gather_matmul(
@@ -634,16 +689,27 @@ def _gather_forward(x, w, group, out, backend, chunks, keep) -> tuple[torch.Tens
             stream = torch.cuda.current_stream(x.device)
             guard.watch(stream, ctx.transport("torch").abort, p.describe())
         return out, (full if keep else x.new_empty(0))
+    full = x.new_empty(M, K) if keep else x.new_empty(0)  # (outside a recorded graph's pool)
+    call = functools.partial(_gather_overlapped, x2, w, out, full, p, ctx)
+    _recorded(call, ctx, p, capturing, (x2, w, out, full))
+    if guard.validating() and not capturing:
+        guard.watch(ctx.comm_stream, ctx.transport(p.transport).abort, p.describe())
+    return out, full
+
+
+def _gather_overlapped(x2, w, out, full, p: Plan, ctx: Context, capturing: bool) -> None:
+    """The overlapped all-gather of a checked call on the current stream: ``x2 [m, K]`` this
+    rank's shard, ``out [R m, N]``, ``full`` ``x_full [R m, K]`` or empty."""
     transport = ctx.transport(p.transport, capturing)
-    rank, m = ctx.rank, M // R
+    R, N, K = p.world_size, p.N, p.K
+    rank, m, keep = ctx.rank, p.M // R, full.numel() > 0
     s = ctx.comm_stream
-    other_device = x.is_cuda and x.device.index != torch.cuda.current_device()
-    with torch.cuda.device(x.device) if other_device else contextlib.nullcontext():
-        caller = torch.cuda.current_stream(x.device) if s is not None else None
+    other_device = x2.is_cuda and x2.device.index != torch.cuda.current_device()
+    with torch.cuda.device(x2.device) if other_device else contextlib.nullcontext():
+        caller = torch.cuda.current_stream(x2.device) if s is not None else None
         try:
             buf = transport.gather(p, x2.contiguous(), s, caller)  # `s` waits for `caller`
             torch.matmul(x2, w, out=out[rank * m : (rank + 1) * m])  # own rows: no wait
-            full = x.new_empty(M, K) if keep else x.new_empty(0)
             out3 = out.view(R, m, N)
             for q, h, chunks in p.shard_bands:
                 for c in chunks:
@@ -664,9 +730,6 @@ def _gather_forward(x, w, group, out, backend, chunks, keep) -> tuple[torch.Tens
         finally:
             if s is not None:
                 caller.wait_stream(s)  # as in `overlapped`
-        if guard.validating() and not capturing:
-            guard.watch(s, transport.abort, p.describe())
-    return out, full
 
 
 # The ops as torch custom ops: torch.compile(fullgraph=True) keeps them whole (Dynamo cannot

@@ -660,9 +660,10 @@ def _graph_host_road_one_gpu(rank, R, seed, replays=10_000):
     """2 ranks on GPU 0 over gloo: every op through the copy engines' host road captured in
     one CUDA graph and replayed ``replays`` times on fresh inputs, each replay against float64;
     eager calls of the same ops between replays (they share the transport's buffers and
-    flags); then ``torch.compile(mode="reduce-overhead")`` of a call. Inputs are drawn from a
-    generator both ranks seed alike, so each rank computes every rank's product itself (gloo
-    cannot reduce CUDA tensors inside a check)."""
+    flags; from their second time on, replays of their own recorded graphs); then
+    ``torch.compile(mode="reduce-overhead")`` of a call. Inputs are drawn from a generator
+    both ranks seed alike, so each rank computes every rank's product itself (gloo cannot
+    reduce CUDA tensors inside a check)."""
     import overlap
     from overlap.context import _contexts
 
@@ -732,6 +733,10 @@ def _graph_host_road_one_gpu(rank, R, seed, replays=10_000):
         if len(failures) > 8:
             break
     torch.cuda.synchronize(dev)
+    from overlap.context import context
+
+    if not any(g is not None for _, g in context(None, dev).records.values()):
+        failures.append("no eager call was replayed from its recorded graph (ops._recorded)")
 
     @torch.compile(mode="reduce-overhead", fullgraph=True)
     def compiled(a, b):

@@ -7,8 +7,10 @@
 Rank 0 prints (and writes) the host milliseconds per call of the plain and the overlapped
 path, the overlapped call's when replayed from a CUDA graph (``graph.replay()``), and the
 functions that take the most time, own time first (the overlapped call's raw profile goes to
-OUT.prof). The GPU sleeps between calls so that the host never waits for it
-and only the host's own work is measured.
+OUT.prof). The GPU sleeps between calls so that the host never waits for it and only the
+host's own work is measured. Calls repeat their arguments, so copy-engine calls replay their
+recorded graphs (``ops._recorded``); ``--distinct`` cycles through more outputs than a
+context records, so every call is issued in full.
 
 ``--one-gpu``: both ranks on GPU 0 over gloo (a machine with one GPU; the overlapped call
 only). The copy-engine transport then maps the other process's buffer on the same GPU, and
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import itertools
 import os
 import pstats
 import time
@@ -40,6 +43,11 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=50)
     ap.add_argument("--out", default="host_profile.txt")
     ap.add_argument("--one-gpu", action="store_true")
+    ap.add_argument(
+        "--distinct",
+        action="store_true",
+        help="a new output address at every call (no recorded graph is replayed)",
+    )
     args = ap.parse_args()
     local = 0 if args.one_gpu else int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local)
@@ -64,11 +72,18 @@ def main() -> None:
         else:
             collective(args.collective).plain(x @ w, out, None)
 
-    def ovl():
+    from overlap.ops import MAX_RECORDS
+
+    # --distinct: more outputs than a context keeps recorded graphs, used in turn
+    ring = itertools.cycle([torch.empty_like(out) for _ in range(MAX_RECORDS + 1)]
+                           if args.distinct else [out])  # fmt: skip
+
+    def ovl(o=None):
+        o = next(ring) if o is None else o
         if gathers:
-            overlap.all_gather_matmul(x, w, out=out, backend=args.backend)
+            overlap.all_gather_matmul(x, w, out=o, backend=args.backend)
         else:
-            overlap.matmul_collective(x, w, args.collective, out=out, backend=args.backend)
+            overlap.matmul_collective(x, w, args.collective, out=o, backend=args.backend)
 
     lines = [f"{args.shape} {args.collective} backend={args.backend} {torch.__version__}"]
     runs = [("plain: x @ w, then the collective", plain)] if not args.one_gpu else []
@@ -102,7 +117,7 @@ def main() -> None:
         lines.append(buf.getvalue())
     graph = torch.cuda.CUDAGraph()  # the overlapped call captured once, then replayed
     with torch.cuda.graph(graph):
-        ovl()
+        ovl(out)
     host = timed(graph.replay)
     lines.append(f"graph replay host ms per call: median {host[len(host) // 2]:.3f}, "
                  f"min {host[0]:.3f}")  # fmt: skip

@@ -100,6 +100,7 @@ class HostTransport(PeerTransport):
             os.unlink(path[0])  # the mappings keep the memory
         self._release()
         self.mapping, self.region, self.base = (mm, view, host, size), region, int(dev)
+        self.generation += 1
         # every rank's region, as PeerTransport's buffers: _flag and _slot work unchanged
         self.ptrs = [self.base + d * region for d in range(self.size)]
 
@@ -129,6 +130,7 @@ class HostTransport(PeerTransport):
         if self.recv is None or self.recv.numel() < n:
             torch.cuda.synchronize(self.device)  # the old slots may still be read or written
             self.recv = torch.empty(n, dtype=torch.uint8, device=self.device)
+            self.generation += 1
             self._views.clear()  # they would keep the old slots alive
 
     def _gathered(self, p: Plan, dtype: torch.dtype, stream: torch.cuda.Stream) -> torch.Tensor:

@@ -133,6 +133,7 @@ class PeerTransport(Transport):
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
         self.broken = False
         self.zeros = torch.zeros(FLAGS_BYTES, dtype=torch.uint8, device=device)  # _clear's
+        self.generation = 0  # grows with every new buffer (CUDA graphs of calls hold pointers)
         self.buf: torch.Tensor | None = None  # uint8, local view of the symmetric buffer
         self.ptrs: list[int] = []  # every rank's buffer, mapped here
         self._views: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # _prepare's
@@ -159,6 +160,7 @@ class PeerTransport(Transport):
         torch.cuda.synchronize(self.device)
         dist.barrier(group=self.group)  # every rank's flags are zero before anyone writes
         self.buf, self.handle = buf, handle
+        self.generation += 1
         self._views.clear()  # they would keep the old buffer alive
         self.ptrs = [int(a) for a in handle.buffer_ptrs]
 
