@@ -121,6 +121,9 @@ _roads: dict[tuple, str | None] = {}  # (group, device) -> comm.route's answer
 _engines: dict[tuple, Transport] = {}  # (group, device) -> the copy-engine transport
 _users: dict[Transport, Context] = {}  # copy-engine transport -> the context that used it last
 _tuned: dict[tuple, int | str] = {}  # (group name, M, N, K, dtype, collective) -> overlap.tune's
+# Plans of eager calls by signature (ops._plan_for): a plan depends on the signature, the road
+# and the tuned choices, so it is forgotten when either changes.
+plans: dict[tuple, Plan] = {}
 
 
 def tuned_key(group, M: int, N: int, K: int, dtype: torch.dtype, collective: str) -> tuple:
@@ -139,6 +142,7 @@ def set_tuned(key: tuple, choice: int | str | None) -> None:
         _tuned.pop(key, None)
     else:
         _tuned[key] = choice
+    plans.clear()
 
 
 def context(group: dist.ProcessGroup | None, device: torch.device) -> Context:
@@ -182,3 +186,4 @@ def release(group: dist.ProcessGroup | None = None) -> None:
     name = group_name(group) if dist.is_initialized() else None
     for k in [k for k in _tuned if k[0] == name]:
         del _tuned[k]
+    plans.clear()

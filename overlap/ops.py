@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from . import guard
 from .collectives import OPS, collective
 from .comm import BACKENDS, choose
-from .context import Context, context, tuned, tuned_key
+from .context import Context, context, plans, tuned, tuned_key
 from .plan import (
     DEFAULT_SPLIT_CHUNKS,
     Plan,
@@ -148,7 +148,21 @@ def plan(
 
 
 def _plan_for(x, w, name, group, chunks, backend, capturing) -> tuple[Plan, Context | None]:
-    """The plan of a checked call, and its context (None at world size 1)."""
+    """The plan of a checked call, and its context (None at world size 1). Eager calls look
+    the plan up by signature first (``context.plans``: ~40 us less per repeated call)."""
+    key = (name, group, chunks, backend, x.shape, x.dtype, x.device, w.shape[1])
+    p = None if capturing else plans.get(key)
+    if p is not None:
+        return p, (context(group, x.device) if p.world_size > 1 else None)
+    p, ctx = _make_plan_for(x, w, name, group, chunks, backend, capturing)
+    if not capturing:  # (a capture's choice depends on the transport's buffers)
+        if len(plans) >= 1024:
+            plans.clear()
+        plans[key] = p
+    return p, ctx
+
+
+def _make_plan_for(x, w, name, group, chunks, backend, capturing) -> tuple[Plan, Context | None]:
     R, bits = _world(group), x.element_size() * 8
     before = collective(name).before  # x is a shard of the all-gather's M rows
     M, K, N = math.prod(x.shape[:-1]) * (R if before else 1), x.shape[-1], w.shape[1]
@@ -587,12 +601,12 @@ def overlapped(
     # graph zeroes them at every replay); freed memory is safe to reuse on the caller stream,
     # which waits for `s` at the end.
     counters = torch.zeros(p.n_chunks, dtype=torch.int32, device=device)
-    targets, views = p.tiles_per_chunk, counters.split(1)
+    targets = p.tiles_per_chunk
 
     def wait(c: int) -> None:
         if trace is not None and c:
             trace.stamp(2 * c - 1)
-        wait_counter(views[c], targets[c], s)
+        wait_counter(counters, c, targets[c], s)
         if trace is not None:
             trace.stamp(2 * c)
 

@@ -99,9 +99,9 @@ def test_counter_short_of_its_target_raises():
     counters = _counters()
     chunked_matmul(torch.randn(64, 32), torch.randn(32, 64), torch.empty(64 * 64), counters, p)
     for c in range(p.n_chunks):
-        wait_counter(counters[c : c + 1], p.tiles_per_chunk[c], None)  # reached: no error
+        wait_counter(counters, c, p.tiles_per_chunk[c], None)  # reached: no error
     with pytest.raises(RuntimeError, match="did not signal"):
-        wait_counter(counters[:1], p.tiles_per_chunk[0] + 1, None)
+        wait_counter(counters, 0, p.tiles_per_chunk[0] + 1, None)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

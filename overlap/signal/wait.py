@@ -41,13 +41,13 @@ def method() -> str:
     return _method
 
 
-def _stream_wait(stream: torch.cuda.Stream, counter: torch.Tensor, target: int) -> None:
+def _stream_wait(stream: torch.cuda.Stream, counters: torch.Tensor, c: int, target: int) -> None:
     global _method
     drv = _driver()
     try:
         (err,) = drv.cuStreamWaitValue32(
             drv.CUstream(stream.cuda_stream),
-            drv.CUdeviceptr(counter.data_ptr()),
+            drv.CUdeviceptr(counters.data_ptr() + 4 * c),  # (no view made per chunk)
             target,
             drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ,
         )
@@ -62,7 +62,7 @@ def _stream_wait(stream: torch.cuda.Stream, counter: torch.Tensor, target: int) 
             stacklevel=3,
         )
         _method = "spin"
-        _spin(stream, counter, target)
+        _spin(stream, counters[c : c + 1], target)
 
 
 def _spin(stream: torch.cuda.Stream, counter: torch.Tensor, target: int) -> None:
@@ -87,19 +87,22 @@ def current_raw_stream(device: torch.device) -> int:
     return _raw_stream(index)
 
 
-def wait_counter(counter: torch.Tensor, target: int, stream: torch.cuda.Stream | None) -> None:
-    """Order everything issued later on ``stream`` after ``counter[0]`` reaches ``target``.
+def wait_counter(
+    counters: torch.Tensor, c: int, target: int, stream: torch.cuda.Stream | None
+) -> None:
+    """Order everything issued later on ``stream`` after ``counters[c]`` reaches ``target``.
 
     Args:
-        counter: one-element int32 view of a chunk counter (zeroed before its kernel).
+        counters: the call's int32 chunk counters (zeroed before its kernel).
+        c: the chunk.
         target: the chunk's tile count.
         stream: the CUDA stream that waits; ``None`` for CPU counters.
 
     Raises:
         RuntimeError: (CPU) the counter is short of its target after the kernel finished.
     """
-    if not counter.is_cuda:
-        value = int(counter.item())
+    if not counters.is_cuda:
+        value = int(counters[c])
         if value < target:
             raise RuntimeError(
                 f"chunk counter is {value}, expected at least {target}: the GEMM did not "
@@ -107,6 +110,6 @@ def wait_counter(counter: torch.Tensor, target: int, stream: torch.cuda.Stream |
             )
         return
     if method() == "stream_wait":
-        _stream_wait(stream, counter, target)
+        _stream_wait(stream, counters, c, target)
     else:
-        _spin(stream, counter, target)
+        _spin(stream, counters[c : c + 1], target)
