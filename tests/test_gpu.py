@@ -660,8 +660,9 @@ def _graph_host_road_one_gpu(rank, R, seed, replays=10_000):
     """2 ranks on GPU 0 over gloo: every op through the copy engines' host road captured in
     one CUDA graph and replayed ``replays`` times on fresh inputs, each replay against float64;
     eager calls of the same ops between replays (they share the transport's buffers and
-    flags; from their second time on, replays of their own recorded graphs); then
-    ``torch.compile(mode="reduce-overhead")`` of a call. Inputs are drawn from a generator
+    flags; from their second time on, replays of their own recorded graphs); then, after
+    ``overlap.release``, ``torch.compile(mode="reduce-overhead")`` of a call (the transport
+    made in its warm-up). Inputs are drawn from a generator
     both ranks seed alike, so each rank computes every rank's product itself (gloo cannot
     reduce CUDA tensors inside a check)."""
     import overlap
@@ -737,6 +738,12 @@ def _graph_host_road_one_gpu(rank, R, seed, replays=10_000):
 
     if not any(g is not None for _, g in context(None, dev).records.values()):
         failures.append("no eager call was replayed from its recorded graph (ops._recorded)")
+
+    # the group's first call (road, transport, buffers) inside reduce-overhead's warm-up
+    overlap.release()
+    import torch._inductor.config as inductor_config
+
+    inductor_config.triton.cudagraph_trees_history_recording = True  # (origins, if it fails)
 
     @torch.compile(mode="reduce-overhead", fullgraph=True)
     def compiled(a, b):

@@ -35,6 +35,7 @@ from ..contract import FLAGS_BYTES, kernel_flags_start
 from ..plan import Plan
 from ..signal.wait import _driver
 from .peer import PeerTransport, _check, receive_slots, slot_bytes
+from .transport import kept
 
 _DEVICEMAP_PORTABLE = 0x02 | 0x01  # CU_MEMHOSTREGISTER_DEVICEMAP | _PORTABLE
 
@@ -53,7 +54,8 @@ class HostTransport(PeerTransport):
         _, highest = torch.cuda.Stream.priority_range()
         self.recv_stream = torch.cuda.Stream(device, priority=highest)
         # the kernel's ARRIVED flags, in device memory (zeroed by _clear, set by the receives)
-        self.dflags = torch.zeros(FLAGS_BYTES // 4, dtype=torch.int32, device=device)
+        self.dflags = kept(device, lambda: torch.zeros(FLAGS_BYTES // 4, dtype=torch.int32,
+                                                       device=device))  # fmt: skip
 
     @property
     def nbytes(self) -> int:
@@ -129,7 +131,8 @@ class HostTransport(PeerTransport):
         """Device receive slots of at least ``n`` bytes."""
         if self.recv is None or self.recv.numel() < n:
             torch.cuda.synchronize(self.device)  # the old slots may still be read or written
-            self.recv = torch.empty(n, dtype=torch.uint8, device=self.device)
+            self.recv = kept(self.device, lambda: torch.empty(n, dtype=torch.uint8,
+                                                              device=self.device))  # fmt: skip
             self.generation += 1
             self._views.clear()  # they would keep the old slots alive
 

@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from ..plan import Plan, band_rows
 from ..signal import current_raw_stream
-from .transport import Transport
+from .transport import Transport, kept
 
 
 class TorchComm:
@@ -237,7 +237,7 @@ class NcclTransport(Transport):
                 for std, slot in row:
                     a, b = (slot, std) if to_slots else (std, slot)
                     order[a] = torch.arange(b.start, b.stop)
-            self._orders[key] = order.to(device)
+            self._orders[key] = kept(torch.device(device), lambda: order.to(device))
         return self._orders[key]
 
     def begin(self, plan: Plan, out: torch.Tensor, caller=None) -> tuple[torch.Tensor, None]:

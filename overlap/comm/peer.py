@@ -67,7 +67,7 @@ import torch.distributed as dist
 from ..contract import FLAGS_BYTES, SET, Epilogue, FlagLayout, band_launched, kernel_flags_start
 from ..plan import Plan
 from ..signal.wait import _driver, method
-from .transport import Transport
+from .transport import Transport, kept
 
 _ALIGN = 2 << 20
 _layout = functools.lru_cache(maxsize=64)(FlagLayout)  # made once per (R, b): host time
@@ -132,7 +132,8 @@ class PeerTransport(Transport):
         self.group, self.device = group, device
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
         self.broken = False
-        self.zeros = torch.zeros(FLAGS_BYTES, dtype=torch.uint8, device=device)  # _clear's
+        self.zeros = kept(device, lambda: torch.zeros(FLAGS_BYTES, dtype=torch.uint8,
+                                                      device=device))  # _clear's  # fmt: skip
         self.generation = 0  # grows with every new buffer (CUDA graphs of calls hold pointers)
         self.buf: torch.Tensor | None = None  # uint8, local view of the symmetric buffer
         self.ptrs: list[int] = []  # every rank's buffer, mapped here

@@ -27,6 +27,7 @@ imports no Triton and no kernel.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import torch
@@ -35,6 +36,32 @@ from ..contract import Epilogue
 from ..plan import Plan
 
 BACKENDS = ("auto", "torch", "cupy", "ce")
+
+
+def kept(device: torch.device, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """``make()``, for a tensor a transport keeps across calls, run in a thread of its own
+    and synchronized there: ``torch.compile(mode="reduce-overhead")`` warms a function up
+    with its CUDA-graph pool taking what the warm-up's thread allocates (whatever the
+    stream), and rejects allocations that outlive the function (the first call of a group,
+    or of a bigger shape, may come there)."""
+    if device.type != "cuda":
+        return make()
+    box: list = []
+
+    def body() -> None:
+        torch.cuda.set_device(device)
+        try:
+            box.append(make())
+            torch.cuda.current_stream(device).synchronize()
+        except BaseException as e:  # noqa: BLE001 (raised in the caller's thread)
+            box.append(e)
+
+    worker = threading.Thread(target=body)
+    worker.start()
+    worker.join()
+    if isinstance(box[0], BaseException):
+        raise box[0]
+    return box[0]
 
 
 class Transport:
