@@ -3,6 +3,7 @@
 ``context(group, device)`` returns the context of the current stream, made on first use:
 
 - the communication stream (high priority), made once;
+- the chunk counters, which every call zeroes before its GEMM counts into them;
 - the transports the calls of this stream used, by name (``transport``).
 
 Per (group, device), also kept here and shared by the contexts of every stream, since a CUDA
@@ -32,9 +33,9 @@ from collections import OrderedDict
 import torch
 import torch.distributed as dist
 
-from .comm import HostTransport, NcclTransport, PeerTransport, Transport, make_comm, route
+from .comm import HostTransport, NcclTransport, PeerTransport, Transport, kept, make_comm, route
 from .guard import group_name
-from .plan import Plan
+from .plan import MAX_CHUNKS, Plan
 from .signal import current_raw_stream
 
 MAX_CONTEXTS = 256
@@ -53,9 +54,19 @@ class Context:
             _, highest = torch.cuda.Stream.priority_range()
             self.comm_stream = torch.cuda.Stream(device, priority=highest)
         self._transports: dict[str, Transport] = {}
+        self._counters: torch.Tensor | None = None
         # CUDA graphs of this stream's copy-engine calls (ops._recorded), least recent first
         self.records: OrderedDict[tuple, tuple] = OrderedDict()
         self.record_stream: torch.cuda.Stream | None = None  # where they are captured
+
+    @property
+    def counters(self) -> torch.Tensor:
+        """This stream's chunk counters, ``MAX_CHUNKS`` int32 (every call zeroes them first;
+        a thread of their own makes them, ``comm.transport.kept``)."""
+        if self._counters is None:
+            self._counters = kept(self.device, lambda: torch.zeros(MAX_CHUNKS, dtype=torch.int32,
+                                                                   device=self.device))  # fmt: skip
+        return self._counters
 
     def road(self, capturing: bool = False) -> str | None:
         """``comm.route``'s answer for this group and device: a collective the first time

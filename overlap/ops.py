@@ -597,10 +597,15 @@ def overlapped(
     s = ctx.comm_stream  # None on CPU: the interpreter runs the kernel to completion, then gloo
     caller = torch.cuda.current_stream(device) if s is not None else None
     slots, epilogue = transport.begin(p, out2, caller)
-    # Counters of this call, zeroed on the caller stream before `s` forks from it (a CUDA
-    # graph zeroes them at every replay); freed memory is safe to reuse on the caller stream,
-    # which waits for `s` at the end.
-    counters = torch.zeros(p.n_chunks, dtype=torch.int32, device=device)
+    # Counters zeroed on the caller stream before `s` forks from it: this stream's (the
+    # previous call's waits on them are over: the caller stream waited for `s`), or a captured
+    # call's own, from the graph's pool (a capture cannot make the stream's: a thread making
+    # memory while the capture's stream records is refused), zeroed at every replay.
+    if capturing:
+        counters = torch.zeros(p.n_chunks, dtype=torch.int32, device=device)
+    else:
+        counters = ctx.counters
+        counters.zero_()
     targets = p.tiles_per_chunk
 
     def wait(c: int) -> None:

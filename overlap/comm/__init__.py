@@ -4,7 +4,7 @@ copy engines (``peer.py`` GPU to GPU, ``host.py`` through host memory). No Trito
 from .host import HostTransport
 from .nccl import CupyComm, NcclTransport, TorchComm, make_comm
 from .peer import PeerTransport, route
-from .transport import BACKENDS, Transport, choose
+from .transport import BACKENDS, Transport, choose, kept
 
 __all__ = [
     "BACKENDS",
@@ -15,6 +15,7 @@ __all__ = [
     "TorchComm",
     "Transport",
     "choose",
+    "kept",
     "make_comm",
     "route",
 ]
