@@ -150,7 +150,7 @@ def plan(
 def _plan_for(x, w, name, group, chunks, backend, capturing) -> tuple[Plan, Context | None]:
     """The plan of a checked call, and its context (None at world size 1). Eager calls look
     the plan up by signature first (``context.plans``: ~40 us less per repeated call)."""
-    key = (name, group, chunks, backend, x.shape, x.dtype, x.device, w.shape[1])
+    key = (name, group, _world(group), chunks, backend, x.shape, x.dtype, x.device, w.shape[1])
     p = None if capturing else plans.get(key)
     if p is not None:
         return p, (context(group, x.device) if p.world_size > 1 else None)
