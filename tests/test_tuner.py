@@ -22,6 +22,7 @@ def _tune_cases(rank, R, cache, seed):
     failures = []
     x, w = torch.randn(96, 40), torch.randn(40, 64)
     cands = ("plain", 2, 3)
+    overlap.plan(x, w, "all_reduce")  # the signature's plan is kept: the tuned choice replaces it
     t1 = overlap.tune(x, w, "all_reduce", candidates=cands, iters=2)
     choices = [None] * R
     dist.all_gather_object(choices, t1.choice)
@@ -49,7 +50,10 @@ def _tune_cases(rank, R, cache, seed):
     if t2g.source != "measured":
         failures.append(f"count_host=False came from the count_host=True entry: {t2g}")
     t1 = overlap.tune(x, w, "all_reduce", candidates=cands, iters=2)  # registered again
-    # one candidate: the choice is forced; chunk counts go through the planner
+    # one candidate: the choice is forced; chunk counts go through the planner (and replace
+    # the plan kept for the signature)
+    if overlap.plan(x, w, "reduce_scatter").n_chunks == 3:
+        failures.append("the default plan has the forced chunk count: the check below is void")
     t3 = overlap.tune(x, w, "reduce_scatter", candidates=(3,), iters=1, use_cache=False)
     want3 = make_plan(
         96, 64, 40, world_size=R, collective="reduce_scatter", dtype_bits=32, interpreter=True,
