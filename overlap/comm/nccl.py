@@ -240,7 +240,9 @@ class NcclTransport(Transport):
             self._orders[key] = kept(torch.device(device), lambda: order.to(device))
         return self._orders[key]
 
-    def begin(self, plan: Plan, out: torch.Tensor, caller=None) -> tuple[torch.Tensor, None]:
+    def begin(
+        self, plan: Plan, out: torch.Tensor, caller: torch.cuda.Stream | None
+    ) -> tuple[torch.Tensor, None]:
         if plan.spec.replicated and plan.n_col_bands == 1:
             return out.view(-1), None  # row bands of the standard layout are contiguous
         return torch.empty(plan.M * plan.N, dtype=out.dtype, device=out.device), None
