@@ -65,7 +65,7 @@ def kernel_alone(x: torch.Tensor, w: torch.Tensor, plan: overlap.Plan, rank: int
     the copy engines' fused epilogue as rank ``rank``, the peers' partials in its receive
     slots and their flags already set. ``buffers``: ``slots`` (NaN first), ``counters`` and,
     for blocked plans, ``out`` (NaN first) and ``recv`` (``[R, M / R, N]``, random)."""
-    from overlap.contract import Epilogue
+    from overlap.contract import SET, Epilogue
     from overlap.gemm import chunked_matmul
 
     M, N, K, R = plan.M, plan.N, plan.K, plan.world_size
@@ -77,8 +77,8 @@ def kernel_alone(x: torch.Tensor, w: torch.Tensor, plan: overlap.Plan, rank: int
         bufs["out"] = torch.full(plan.spec.result_shape((M, K), N, R), float("nan"), **new)
         bufs["recv"] = torch.randn(R, M // R, N, **new)
         bufs["recv"][rank] = float("nan")  # a rank's own slot is never read
-        flags = torch.full((plan.n_chunks,), 1 << 20, dtype=torch.int32, device=x.device)
-        kw["epilogue"] = Epilogue(bufs["out"], bufs["recv"], flags, 1, rank)
+        flags = torch.full((plan.n_chunks,), SET, dtype=torch.int32, device=x.device)
+        kw["epilogue"] = Epilogue(bufs["out"], bufs["recv"], flags, rank)
 
     def launch():
         return chunked_matmul(x, w, bufs["slots"], bufs["counters"], plan, **kw)

@@ -168,3 +168,27 @@ def test_blocked_plan_fused_epilogue(collective, R, rank, shape, specials):
         rest = torch.cat([out[s * B : (s + 1) * B] for s in peers])
         assert torch.isnan(rest).all(), "rows of other blocks are the transport's to fill"
     assert counters[: p.n_chunks].tolist() == list(p.tiles_per_chunk)
+
+
+@pytest.mark.parametrize("blocked", [False, True])
+def test_kernel_alone_is_the_calls_kernel(blocked):
+    """``bench.kernel_alone`` (the bench's and ``tools/gemm_sweep.py``'s "this library's
+    GEMM") runs the call's kernel: the product in the slots and, for the copy engines' blocked
+    plan, this rank's block in ``out`` with the peers' partials added."""
+    from overlap.bench import kernel_alone
+
+    R, rank, (M, N, K) = 2, 1, (128, 64, 48)
+    p = make_plan(M, N, K, world_size=R, collective="all_reduce", dtype_bits=32,
+                  interpreter=True, chunks=4, blocked=blocked)  # fmt: skip
+    x, w = torch.randn(M, K), torch.randn(K, N)
+    launch, bufs = kernel_alone(x, w, p, rank)
+    launch()
+    prod, B = x.double() @ w.double(), M // R
+    if not blocked:
+        assert not mismatch(_standard(p, bufs["slots"]), prod, 1e-5)
+        return
+    own = slice(rank * B, (rank + 1) * B)
+    got = bufs["slots"].view(M, N).double()
+    assert mismatch(got[:B], prod[:B], 1e-5) is None  # the peer's block, to push
+    want = prod[own] + bufs["recv"][0].double()
+    assert mismatch(bufs["out"][own].double(), want, 1e-5) is None
