@@ -6,6 +6,7 @@
 #            model and exchange benchmarks' correctness checks (two ranks on one GPU)
 #   bench    the benchmark on the bench shapes, with NCCL as it is and with NCCL_P2P_DISABLE=1
 #   soak     100 s of mixed calls, every result checked, memory tracked (2 GPUs)
+#   soak1    the same with both ranks on one GPU over gloo (host road; correctness only)
 #   timeline one traced all-reduce and reduce-scatter call (2 GPUs)
 #   four     the example and the benchmark at R = 4 (4 GPUs)
 # The 2-GPU suite does not fit one 600 s call: split it with PYTEST_K (a pytest -k expression)
@@ -58,6 +59,9 @@ for mode in "$@"; do
       NCCL_P2P_DISABLE=1 run_bench no_p2p --iters 20 --shapes $big ;;
     soak)
       timeout 170 torchrun --nproc-per-node=2 tools/soak.py --seconds 100 --out "$OUT/soak.json" 2>&1 | quiet | tail -25 ;;
+    soak1)
+      NCCL_P2P_DISABLE=1 timeout "${SOAK_TIMEOUT:-200}" torchrun --nproc-per-node=2 tools/soak.py \
+        --one-gpu --seconds "${SOAK_SECONDS:-120}" --out "$OUT/soak_one_gpu.json" 2>&1 | quiet | tail -25 ;;
     timeline)
       for c in all_reduce reduce_scatter; do
         timeout 60 torchrun --nproc-per-node=2 tools/timeline.py --collective $c --out "$OUT/timeline_$c.json" 2>&1 | quiet | tail -2

@@ -7,6 +7,11 @@ plain torch path in fp32, memory tracked.
 
 Every rank draws the same case sequence (seeded), its own inputs. Validation mode is switched
 on for every other block of 250 calls. Prints a summary and writes JSON (rank 0).
+
+``--one-gpu``: both ranks on GPU 0 over gloo (a machine with one GPU; start it with
+``NCCL_P2P_DISABLE=1``): the copy engines' host road and NCCL per chunk through gloo, with the
+real kernels; the references' collectives run on host copies. Correctness only: the two
+processes time-slice the GPU.
 """
 
 from __future__ import annotations
@@ -36,30 +41,41 @@ SHAPES = [  # (M, K, N)
 ]
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
+ON_HOST = False  # --one-gpu: gloo takes the references' collectives on host tensors
+
+
+def _plain(fn, out: torch.Tensor, *ins) -> None:
+    """``fn(out, *ins)``, a torch.distributed collective; through host copies on gloo."""
+    if not ON_HOST:
+        fn(out, *ins)
+        return
+    o = out.cpu()
+    fn(o, *(t.cpu() if isinstance(t, torch.Tensor) else t for t in ins))
+    out.copy_(o)
 
 
 def _reference(x, w, collective, op, R, splits=None):
     if splits is not None:  # an uneven all-to-all
         prod = x.float() @ w.float()
         out = prod.new_empty(sum(splits[1]), prod.shape[1])
-        dist.all_to_all_single(out, prod, list(splits[1]), list(splits[0]))
+        _plain(dist.all_to_all_single, out, prod, list(splits[1]), list(splits[0]))
         return out
     if collective == "all_gather":  # x is this rank's shard
         full = x.new_empty(x.shape[0] * R, x.shape[1])
-        dist.all_gather_into_tensor(full, x)
+        _plain(dist.all_gather_into_tensor, full, x)
         return full.float() @ w.float()
     prod = x.float() @ w.float()
     if op == "avg":
         prod /= R
     if collective == "all_reduce":
-        dist.all_reduce(prod)
+        _plain(dist.all_reduce, prod)
         return prod
     out = torch.empty(prod.shape[0] // R, prod.shape[1], device=x.device)
     if collective == "reduce_scatter":
-        dist.reduce_scatter_tensor(out, prod)
+        _plain(dist.reduce_scatter_tensor, out, prod)
     else:
         out = torch.empty_like(prod)
-        dist.all_to_all_single(out, prod)
+        _plain(dist.all_to_all_single, out, prod)
     return out
 
 
@@ -77,7 +93,9 @@ def _bags_call(rng, gen, dev, R):
     pooled = torch.nn.functional.embedding_bag(idx, table.float(), off, mode="sum")
     b = B // R
     recv = pooled.new_empty(b * sum(dims))
-    dist.all_to_all_single(recv, pooled.reshape(-1), [b * d for d in dims], [b * dims[me]] * R)
+    _plain(
+        dist.all_to_all_single, recv, pooled.reshape(-1), [b * d for d in dims], [b * dims[me]] * R
+    )
     ref = torch.cat([p.view(b, d) for p, d in zip(recv.split([b * d for d in dims]), dims,
                                                    strict=True)], dim=1)  # fmt: skip
     p = make_split_plan((b * dims[me],) * R, tuple(b * d for d in dims), 1, 0, chunks=chunks,
@@ -153,10 +171,13 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=100_000)
     ap.add_argument("--seed", type=int, default=2026)
     ap.add_argument("--out", default="soak.json")
+    ap.add_argument("--one-gpu", action="store_true", help="both ranks on GPU 0, over gloo")
     a = ap.parse_args()
+    global ON_HOST
+    ON_HOST = a.one_gpu
     rank = int(os.environ["RANK"])
-    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl")
+    torch.cuda.set_device(0 if a.one_gpu else int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("gloo" if a.one_gpu else "nccl")
     R = dist.get_world_size()
     dev = torch.device("cuda")
     rng = random.Random(a.seed)  # same on every rank: the same cases in the same order
@@ -166,7 +187,9 @@ def main() -> None:
     done = 0
     while done < a.calls:
         if done % 250 == 0:
-            stop = torch.tensor([int(time.monotonic() - t0 > a.seconds)], device=dev)
+            stop = torch.tensor(
+                [int(time.monotonic() - t0 > a.seconds)], device="cpu" if a.one_gpu else dev
+            )
             dist.all_reduce(stop)  # every rank stops at the same call
             if stop.item():
                 break
