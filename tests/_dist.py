@@ -375,7 +375,7 @@ fault_scenarios.no_teardown = True
 def count_collectives() -> dict:
     """Wrap torch.distributed's collectives in this process to count calls."""
     counts: dict = {}
-    for fname in ("all_reduce", "reduce_scatter_tensor", "all_to_all"):
+    for fname in ("all_reduce", "reduce_scatter_tensor", "all_to_all", "all_to_all_single"):
         orig = getattr(dist, fname)
         counts[fname] = 0
 

@@ -48,6 +48,8 @@ class TorchComm:
 
     def __init__(self, group: dist.ProcessGroup | None) -> None:
         self.group = group
+        # gloo has no list all-to-all of CUDA tensors: it takes one all_to_all_single there
+        self.single = dist.get_backend(group) == "gloo"
 
     def all_reduce(self, buf: torch.Tensor) -> None:
         """In-place sum of ``buf`` (contiguous) over the group."""
@@ -58,8 +60,17 @@ class TorchComm:
         dist.reduce_scatter_tensor(out, inp, group=self.group)
 
     def all_to_all(self, outs: list[torch.Tensor], ins: list[torch.Tensor]) -> None:
-        """Send ``ins[j]`` to rank ``j``; receive rank ``j``'s piece into ``outs[j]``."""
-        dist.all_to_all(outs, ins, group=self.group)
+        """Send ``ins[j]`` to rank ``j``; receive rank ``j``'s piece into ``outs[j]`` (1-D
+        pieces; on gloo through two staging buffers and ``all_to_all_single``)."""
+        if not self.single:
+            dist.all_to_all(outs, ins, group=self.group)
+            return
+        sizes = [o.numel() for o in outs]
+        got = outs[0].new_empty(sum(sizes))
+        dist.all_to_all_single(got, torch.cat(ins), sizes, [i.numel() for i in ins],
+                               group=self.group)  # fmt: skip
+        for o, piece in zip(outs, got.split(sizes), strict=True):
+            o.copy_(piece)
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         """``out`` (``R * n``, contiguous) = every rank's ``inp`` (``n``), in rank order."""
