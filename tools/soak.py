@@ -134,7 +134,10 @@ def _one_call(rng, gen, dev, R):
             x, torch.stack([w, -w]), ids, input_split_sizes=splits[0],
             output_split_sizes=splits[1], chunks=chunks,
         )  # fmt: skip
-        ref = _reference(x, w, coll, op, R, splits) * (1 - 2 * ids[:, None]).float()
+        # the receiver's experts: its own w applies to the rows it receives
+        recv = x.new_empty(sum(splits[1]), K, dtype=torch.float32)
+        _plain(dist.all_to_all_single, recv, x.float(), list(splits[1]), list(splits[0]))
+        ref = (recv @ w.float()) * (1 - 2 * ids[:, None]).float()
         if ref.numel() == 0:
             return dtype, 0.0 if got.numel() == 0 else float("nan"), p, op
         return dtype, ((got.float() - ref).norm() / ref.norm()).item(), p, op
