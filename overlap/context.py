@@ -55,9 +55,8 @@ class Context:
             self.comm_stream = torch.cuda.Stream(device, priority=highest)
         self._transports: dict[str, Transport] = {}
         self._counters: torch.Tensor | None = None
-        # CUDA graphs of this stream's copy-engine calls (ops._recorded), least recent first
-        self.records: OrderedDict[tuple, tuple] = OrderedDict()
-        self.record_stream: torch.cuda.Stream | None = None  # where they are captured
+        # where this stream's copy-engine calls are captured into CUDA graphs (ops._recorded)
+        self.record_stream: torch.cuda.Stream | None = None
 
     @property
     def counters(self) -> torch.Tensor:
@@ -120,7 +119,6 @@ class Context:
 
     def close(self) -> None:
         """Free the transports' buffers (no call may be in flight)."""
-        self.records.clear()  # (they hold the transports' addresses)
         for t in self._transports.values():
             t.close()
         self._transports.clear()
@@ -135,6 +133,19 @@ _tuned: dict[tuple, int | str] = {}  # (group name, M, N, K, dtype, collective) 
 # Plans of eager calls by signature (ops._plan_for): a plan depends on the signature, the road
 # and the tuned choices, so it is forgotten when either changes.
 plans: dict[tuple, Plan] = {}
+# Recorded eager copy-engine calls (ops._recorded), least recent first: (call signature,
+# outputs) -> ops.Record; and each recorded signature's output shapes, so that a repeated call
+# can make its outputs and find its record without planning. Forgotten with the plans (the
+# graphs hold the transports' addresses).
+records: OrderedDict[tuple, object] = OrderedDict()
+shapes: dict[tuple, tuple] = {}
+
+
+def forget() -> None:
+    """Forget the plans and recorded calls (the road, the tuned choices or the buffers change)."""
+    plans.clear()
+    records.clear()
+    shapes.clear()
 
 
 def tuned_key(group, M: int, N: int, K: int, dtype: torch.dtype, collective: str) -> tuple:
@@ -153,7 +164,7 @@ def set_tuned(key: tuple, choice: int | str | None) -> None:
         _tuned.pop(key, None)
     else:
         _tuned[key] = choice
-    plans.clear()
+    forget()
 
 
 def context(group: dist.ProcessGroup | None, device: torch.device) -> Context:
@@ -187,6 +198,7 @@ def release(group: dist.ProcessGroup | None = None) -> None:
     mine = [k for k in _contexts if k[0] is group]
     for device in {k[1] for k in mine if k[1].startswith("cuda")}:
         torch.cuda.synchronize(device)
+    forget()  # (before the buffers the recorded graphs use are freed)
     for k in mine:
         _contexts.pop(k).close()
     for k in [k for k in _engines if k[0] is group]:
@@ -197,4 +209,3 @@ def release(group: dist.ProcessGroup | None = None) -> None:
     name = group_name(group) if dist.is_initialized() else None
     for k in [k for k in _tuned if k[0] == name]:
         del _tuned[k]
-    plans.clear()

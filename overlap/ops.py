@@ -42,6 +42,7 @@ import contextlib
 import functools
 import math
 import os
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -50,7 +51,7 @@ import torch.nn.functional as F
 from . import guard
 from .collectives import OPS, collective
 from .comm import BACKENDS, choose
-from .context import Context, context, plans, tuned, tuned_key
+from .context import Context, context, plans, records, shapes, tuned, tuned_key
 from .plan import (
     DEFAULT_SPLIT_CHUNKS,
     Plan,
@@ -60,7 +61,7 @@ from .plan import (
     splits_rows,
     tiles_for,
 )
-from .signal import wait_counter
+from .signal import current_raw_stream, wait_counter
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -491,6 +492,12 @@ class ExpertRuns:
 def _forward(x, w, collective, group, op, out, backend, chunks) -> torch.Tensor:
     """``matmul_collective`` of checked arguments, without autograd."""
     capturing = _capturing(x)
+    sig = None if capturing else _signature(collective, group, op, backend, chunks, x, w)
+    if sig is not None and sig in shapes:  # a recorded call again: no planning
+        if out is None:
+            out = torch.empty(shapes[sig][0], dtype=x.dtype, device=x.device)
+        if _replay((sig, _outputs(out))):
+            return out
     p, ctx = _plan_for(x, w, collective, group, chunks, backend, capturing)
     R, M, N = p.world_size, p.M, p.N
     shape = p.spec.result_shape(tuple(x.shape), N, R)
@@ -511,47 +518,90 @@ def _forward(x, w, collective, group, op, out, backend, chunks) -> torch.Tensor:
             guard.watch(stream, ctx.transport("torch").abort, p.describe())
         return out
     call = functools.partial(overlapped, x2, w, out2, p, scale, ctx)
-    _recorded(call, ctx, p, capturing, (x2, w, out2), scale)
+    key = None if sig is None or x2.data_ptr() != x.data_ptr() else (sig, _outputs(out))
+    _recorded(call, ctx, p, capturing, key, (shape,))
     if guard.validating() and not capturing:  # a capturing stream cannot be queried
         guard.watch(ctx.comm_stream, ctx.transport(p.transport).abort, p.describe())
     return out
 
 
-MAX_RECORDS = 64  # CUDA graphs of calls kept per context
+MAX_RECORDS = 64  # CUDA graphs of eager calls kept (all streams)
 
 
-def _recorded(call, ctx: Context, p: Plan, capturing: bool, tensors: tuple, *extra) -> None:
+class Record(NamedTuple):
+    """A recorded eager call (``_recorded``): its context, the transport and the buffers'
+    generation it was recorded with, and its CUDA graph (None: seen once)."""
+
+    ctx: Context
+    transport: object
+    generation: int
+    graph: torch.cuda.CUDAGraph | None
+
+
+def _signature(name, group, op, backend, chunks, x, w, *extra) -> tuple | None:
+    """What an eager call's plan and recorded graph depend on besides its outputs: its
+    arguments, the caller stream and the inputs' addresses, dtypes, shapes and strides; None
+    where calls are not recorded (CPU, validation mode)."""
+    if not x.is_cuda or guard.validating():
+        return None
+    return (name, group, op, backend, chunks, *extra, x.device, current_raw_stream(x.device),
+            x.data_ptr(), x.dtype, x.shape, x.stride(), w.data_ptr(), w.dtype, w.shape,
+            w.stride())  # fmt: skip
+
+
+def _outputs(*tensors: torch.Tensor) -> tuple:
+    """The outputs' part of a record's key: addresses, dtypes, shapes, strides."""
+    return tuple((t.data_ptr(), t.dtype, t.shape, t.stride()) for t in tensors)
+
+
+def _replay(key: tuple) -> bool:
+    """Replay the recorded graph of the call ``key`` (a signature and its outputs); False
+    where there is none, or its transport has new buffers or is broken."""
+    rec = records.get(key)
+    if rec is None or rec.graph is None:
+        return False
+    t = rec.ctx.transport("ce")  # this stream after the last one of another stream
+    if t.broken or t.generation != rec.generation:
+        return False
+    records.move_to_end(key)
+    rec.graph.replay()
+    return True
+
+
+def _recorded(call, ctx: Context, p: Plan, capturing: bool, key: tuple | None, out_shapes) -> None:
     """``call(capturing)`` issues an overlapped call of plan ``p`` on the current stream.
 
-    An eager copy-engine call made a second time with the same plan, arguments (``tensors``
-    by address, dtype, shape and strides; ``extra``) and transport buffers is captured into a
-    CUDA graph, which that call and every later one like it replays: one graph launch instead
-    of the ~25 driver calls and the kernel launch of an eager call (the GPU work is the
-    same: every call zeroes its own counters and flags). Only the first sighting runs
-    eagerly, so calls whose addresses never repeat pay no capture. The graphs of all
-    contexts share one memory pool: a call's temporaries die with it, and the group's
-    copy-engine calls never run at once. Not in validation mode (its watch needs the
-    communication stream), not for NCCL (not yet run on two GPUs), not while capturing.
+    An eager copy-engine call made a second time with the same arguments, inputs and outputs
+    (``key``: the call's ``_signature`` and its outputs, by address, dtype, shape and
+    strides) is captured into a CUDA graph, which that call and every later one like it
+    replays (``_replay``, before any planning: the signature's ``out_shapes`` make the
+    outputs first): one graph launch instead of the ~25 driver calls and the kernel launch
+    of an eager call (the GPU work is the same: every call zeroes its own counters and
+    flags). Only the first sighting runs eagerly, so calls whose addresses never repeat pay
+    no capture. The graphs share one memory pool: a call's temporaries die with it, and the
+    group's copy-engine calls never run at once. Not in validation mode (its watch needs the
+    communication stream), not for NCCL (not yet run on two GPUs), not while capturing, not
+    where ``x`` was copied to make it 2-D (``key`` is None then).
     """
-    if capturing or p.transport != "ce" or guard.validating():
+    if key is None or p.transport != "ce":
         call(capturing)
         return
     t = ctx.transport("ce")  # this stream after the last one of another stream
     if t.broken:  # (validation mode was on) the call raises
         call(False)
         return
-    key = (id(p), t.generation, extra,
-           *[(a.data_ptr(), a.dtype, a.shape, a.stride()) for a in tensors])  # fmt: skip
-    seen = ctx.records.get(key)
-    if seen is None:  # first sighting
-        if len(ctx.records) >= MAX_RECORDS:
-            ctx.records.popitem(last=False)
-        ctx.records[key] = (p, None)  # (p: its id stays this plan's while the key lives)
+    rec = records.get(key)
+    if rec is None or rec.generation != t.generation:  # first sighting (with these buffers)
+        if len(records) >= MAX_RECORDS:
+            records.popitem(last=False)
+        if len(shapes) >= 4 * MAX_RECORDS:
+            shapes.clear()
+        records[key] = Record(ctx, t, t.generation, None)
+        shapes[key[0]] = out_shapes
         call(False)
         return
-    ctx.records.move_to_end(key)
-    graph = seen[1]
-    if graph is None:
+    records.move_to_end(key)
+    if rec.graph is None:
         graph = torch.cuda.CUDAGraph()
         if ctx.record_stream is None:
             ctx.record_stream = torch.cuda.Stream(ctx.device)
@@ -561,8 +611,8 @@ def _recorded(call, ctx: Context, p: Plan, capturing: bool, tensors: tuple, *ext
                 call(True)
             finally:
                 graph.capture_end()
-        ctx.records[key] = (p, graph)
-    graph.replay()
+        rec = records[key] = rec._replace(graph=graph)
+    rec.graph.replay()
 
 
 @functools.cache
@@ -688,6 +738,13 @@ def _gather_forward(x, w, group, out, backend, chunks, keep) -> tuple[torch.Tens
     """``all_gather_matmul`` of checked arguments, without autograd: ``(out, x_full)``, the
     second ``[R m, K]`` when ``keep`` else empty."""
     capturing = _capturing(x)
+    sig = None if capturing else _signature("all_gather", group, "sum", backend, chunks, x, w, keep)
+    if sig is not None and sig in shapes:  # a recorded call again: no planning
+        out_shape, full_shape = shapes[sig]
+        out = x.new_empty(out_shape) if out is None else out
+        full = x.new_empty(full_shape)
+        if _replay((sig, _outputs(out, full))):
+            return out, full
     p, ctx = _plan_for(x, w, "all_gather", group, chunks, backend, capturing)
     M, N, K, R = p.M, p.N, p.K, p.world_size
     if out is None:
@@ -708,9 +765,11 @@ def _gather_forward(x, w, group, out, backend, chunks, keep) -> tuple[torch.Tens
             stream = torch.cuda.current_stream(x.device)
             guard.watch(stream, ctx.transport("torch").abort, p.describe())
         return out, (full if keep else x.new_empty(0))
-    full = x.new_empty(M, K) if keep else x.new_empty(0)  # (outside a recorded graph's pool)
+    full_shape = (M, K) if keep else (0,)
+    full = x.new_empty(full_shape)  # (outside a recorded graph's pool)
     call = functools.partial(_gather_overlapped, x2, w, out, full, p, ctx)
-    _recorded(call, ctx, p, capturing, (x2, w, out, full))
+    key = None if sig is None or x2.data_ptr() != x.data_ptr() else (sig, _outputs(out, full))
+    _recorded(call, ctx, p, capturing, key, ((M, N), full_shape))
     if guard.validating() and not capturing:
         guard.watch(ctx.comm_stream, ctx.transport(p.transport).abort, p.describe())
     return out, full
