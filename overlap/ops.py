@@ -12,7 +12,8 @@ all_to_all        ``[..., N]``             ``dist.all_to_all_single(out, x @ w)`
                                            ``j`` of ``M / R`` rows goes to rank ``j``
 ================  =======================  ====================================================
 
-One call: check the arguments -> the context of (group, device, caller stream)
+One call: check the arguments -> (a repeated eager copy-engine call replays its recorded CUDA
+graph here, ``_recorded``) -> the context of (group, device, caller stream)
 (``overlap/context.py``) -> choose the transport (``comm.choose``) -> make the plan for it
 (what ``overlap.plan`` returns and validation mode fingerprints) -> the transport's
 ``begin`` -> launch the GEMM -> the transport issues the chunks on the communication stream
