@@ -9,8 +9,8 @@ path, the overlapped call's when replayed from a CUDA graph (``graph.replay()``)
 functions that take the most time, own time first (the overlapped call's raw profile goes to
 OUT.prof). The GPU sleeps between calls so that the host never waits for it and only the
 host's own work is measured. Calls repeat their arguments, so copy-engine calls replay their
-recorded graphs (``ops._recorded``); ``--distinct`` cycles through more outputs than a
-context records, so every call is issued in full.
+recorded graphs (``ops._recorded``); ``--distinct`` cycles through more outputs than the
+library keeps records of (``ops.MAX_RECORDS``), so every call is issued in full.
 
 ``--one-gpu``: both ranks on GPU 0 over gloo (a machine with one GPU; the overlapped call
 only). The copy-engine transport then maps the other process's buffer on the same GPU, and
