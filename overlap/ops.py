@@ -530,11 +530,10 @@ MAX_RECORDS = 64  # CUDA graphs of eager calls kept (all streams)
 
 
 class Record(NamedTuple):
-    """A recorded eager call (``_recorded``): its context, the transport and the buffers'
-    generation it was recorded with, and its CUDA graph (None: seen once)."""
+    """A recorded eager call (``_recorded``): its context, the generation of the copy-engine
+    buffers it was recorded with, and its CUDA graph (None: seen once)."""
 
     ctx: Context
-    transport: object
     generation: int
     graph: torch.cuda.CUDAGraph | None
 
@@ -591,14 +590,14 @@ def _recorded(call, ctx: Context, p: Plan, capturing: bool, key: tuple | None, o
     if t.broken:  # (validation mode was on) the call raises
         call(False)
         return
+    if len(shapes) >= 4 * MAX_RECORDS:
+        shapes.clear()
+    shapes[key[0]] = out_shapes  # (also after a clear: the next call replays before planning)
     rec = records.get(key)
     if rec is None or rec.generation != t.generation:  # first sighting (with these buffers)
         if len(records) >= MAX_RECORDS:
             records.popitem(last=False)
-        if len(shapes) >= 4 * MAX_RECORDS:
-            shapes.clear()
-        records[key] = Record(ctx, t, t.generation, None)
-        shapes[key[0]] = out_shapes
+        records[key] = Record(ctx, t.generation, None)
         call(False)
         return
     records.move_to_end(key)
