@@ -658,10 +658,10 @@ def overlapped(
         counters.zero_()
     targets = p.tiles_per_chunk
 
-    def wait(c: int) -> None:
+    def wait(c: int, ops=None) -> None:  # (ops: the copy engines' batch, transport.py)
         if trace is not None and c:
             trace.stamp(2 * c - 1)
-        wait_counter(counters, c, targets[c], s)
+        wait_counter(counters, c, targets[c], s, ops)
         if trace is not None:
             trace.stamp(2 * c)
 
@@ -790,8 +790,7 @@ def _gather_overlapped(x2, w, out, full, p: Plan, ctx: Context, capturing: bool)
             torch.matmul(x2, w, out=out[rank * m : (rank + 1) * m])  # own rows: no wait
             out3 = out.view(R, m, N)
             for q, h, chunks in p.shard_bands:
-                for c in chunks:
-                    transport.arrived(p, c, caller)
+                transport.arrived(p, chunks, caller)
                 if p.blocked:  # the standard layout: [R, m, K], rows q.. of every shard
                     a3 = buf.view(R, m, K)[:, q : q + h]
                 else:  # NCCL's slot [R, h, K]

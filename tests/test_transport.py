@@ -22,19 +22,19 @@ from __future__ import annotations
 
 import ctypes
 import threading
+import types
 
 import pytest
 import torch
 from triton.runtime import interpreter
 
 from overlap.collectives import COLLECTIVES
-from overlap.comm import host as host_mod
-from overlap.comm import peer as peer_mod
 from overlap.comm.host import HostTransport
 from overlap.comm.peer import PeerTransport, slot_bytes
 from overlap.contract import FLAGS_BYTES
 from overlap.gemm import chunked_matmul
 from overlap.plan import make_plan
+from overlap.signal import wait as signal_wait
 
 
 class _Stream:
@@ -51,13 +51,23 @@ class _Stream:
 
 
 class _Driver:
-    """The few cuda-python driver calls the transport makes, recorded per stream."""
+    """The few cuda-python driver calls the transport makes, recorded per stream (a batch of
+    stream memory operations as its operations in order)."""
 
     class CUresult:
         CUDA_SUCCESS = 0
 
     class CUstreamWaitValue_flags:
-        CU_STREAM_WAIT_VALUE_GEQ = 1
+        CU_STREAM_WAIT_VALUE_GEQ = 0
+
+    class CUstreamBatchMemOpType:
+        CU_STREAM_MEM_OP_WAIT_VALUE_32 = 1
+        CU_STREAM_MEM_OP_WRITE_VALUE_32 = 2
+
+    class CUstreamBatchMemOpParams:
+        def __init__(self):
+            self.operation = None
+            self.waitValue, self.writeValue = types.SimpleNamespace(), types.SimpleNamespace()
 
     def __init__(self, sim):
         self.sim = sim
@@ -76,10 +86,24 @@ class _Driver:
 
     def cuStreamWriteValue32(self, stream, addr, value, flags):  # noqa: N802
         self.sim.ops[stream].append(("write", addr, value))
+        self.sim.memop_calls += 1
         return (0,)
 
     def cuStreamWaitValue32(self, stream, addr, value, flags):  # noqa: N802
         self.sim.ops[stream].append(("wait", addr, value))
+        self.sim.memop_calls += 1
+        return (0,)
+
+    def cuStreamBatchMemOp(self, stream, count, params, flags):  # noqa: N802
+        assert count == len(params) and flags == 0
+        for p in params:
+            if p.operation == self.CUstreamBatchMemOpType.CU_STREAM_MEM_OP_WAIT_VALUE_32:
+                assert p.waitValue.flags == self.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
+                self.sim.ops[stream].append(("wait", p.waitValue.address, p.waitValue.value))
+            else:
+                assert p.operation == self.CUstreamBatchMemOpType.CU_STREAM_MEM_OP_WRITE_VALUE_32
+                self.sim.ops[stream].append(("write", p.writeValue.address, p.writeValue.value))
+        self.sim.memop_calls += 1
         return (0,)
 
 
@@ -206,6 +230,7 @@ class _Sim:
     def __init__(self, kernels: _Kernels):
         self.ops: dict[str, list] = {}
         self.kernels = kernels
+        self.memop_calls = 0  # driver calls that issue stream memory operations
 
     def run(self, ranks: int, ahead: int | None) -> None:
         """Execute every stream. In each round every running kernel takes steps (rank
@@ -255,7 +280,7 @@ class _Sim:
                         break
                     done[name] += 1
                     ran = progress = True
-                    budget -= op[0] not in ("wait", "after", "counter")
+                    budget -= op[0] not in ("wait", "after")
         return ran
 
     @staticmethod
@@ -269,8 +294,6 @@ class _Sim:
             return _u32(op[1]).value >= op[2]
         elif kind == "after":
             return done[op[1]] >= op[2]
-        elif kind == "counter":
-            return int(op[1]) >= op[2]
         elif kind == "call":  # a matmul of the all-gather's consumer
             op[1]()
         return True
@@ -316,8 +339,8 @@ def _issue(sim, rank, t, p, x, w, out, caller, comm):
 
     sim.ops[caller.cuda_stream].append(("kernel", launch))
 
-    def wait(c):
-        sim.ops[comm.cuda_stream].append(("counter", counters[c], p.tiles_per_chunk[c]))
+    def wait(c, ops):  # as ops.wait_counter: the wait joins the transport's batch
+        ops.wait(counters.data_ptr() + 4 * c, p.tiles_per_chunk[c])
 
     t.run(p, slots, out, wait, comm)
     caller.wait_stream(comm)
@@ -344,8 +367,7 @@ def test_protocol_with_the_real_kernel(kind, collective, R, M, N, chunks, ahead,
     kernels = _Kernels(monkeypatch)
     sim = _Sim(kernels)
     fake = _Driver(sim)
-    monkeypatch.setattr(peer_mod, "_driver", lambda: fake)
-    monkeypatch.setattr(host_mod, "_driver", lambda: fake)
+    monkeypatch.setattr(signal_wait, "_driver", lambda: fake)
     g = torch.Generator().manual_seed(R * 1000 + M + N)
     K = 16
     ts = _transports(kind, R, sim)
@@ -373,6 +395,10 @@ def test_protocol_with_the_real_kernel(kind, collective, R, M, N, chunks, ahead,
             assert not torch.isnan(outs[r]).any(), f"call {i} rank {r}: unwritten rows"
             ref = _reference(p, xs, ws, r)
             torch.testing.assert_close(outs[r].double(), ref, rtol=1e-5, atol=1e-4)
+    # Stream memory operations go out in batches (each one graph node, which costs host time
+    # at every replay): per stream at most one between two copies, and one at its end.
+    copies = sum(op[0] == "copy" for ops in sim.ops.values() for op in ops)
+    assert sim.memop_calls <= copies, (sim.memop_calls, copies)
 
 
 def _issue_gather(sim, rank, t, p, x, w, out, caller, comm):
@@ -383,8 +409,7 @@ def _issue_gather(sim, rank, t, p, x, w, out, caller, comm):
     own = slice(rank * m, (rank + 1) * m)
     sim.ops[caller.cuda_stream].append(("call", lambda: out[own].copy_(x @ w)))
     for q, h, chunks in p.shard_bands:
-        for c in chunks:
-            t.arrived(p, c, caller)
+        t.arrived(p, chunks, caller)
 
         def band(q=q, h=h):  # the copy engines' standard layout
             for s in (s for s in range(R) if s != rank):
@@ -405,8 +430,7 @@ def test_all_gather_protocol(kind, R, m, chunks, ahead, monkeypatch):
     kernels = _Kernels(monkeypatch)  # (no kernel runs: the consumer's matmuls are "call"s)
     sim = _Sim(kernels)
     fake = _Driver(sim)
-    monkeypatch.setattr(peer_mod, "_driver", lambda: fake)
-    monkeypatch.setattr(host_mod, "_driver", lambda: fake)
+    monkeypatch.setattr(signal_wait, "_driver", lambda: fake)
     g = torch.Generator().manual_seed(R * 100 + m)
     K, N, M = 24, 20, R * m
     ts = _transports(kind, R, sim)

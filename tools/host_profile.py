@@ -8,9 +8,11 @@ Rank 0 prints (and writes) the host milliseconds per call of the plain and the o
 path, the overlapped call's when replayed from a CUDA graph (``graph.replay()``), and the
 functions that take the most time, own time first (the overlapped call's raw profile goes to
 OUT.prof). The GPU sleeps between calls so that the host never waits for it and only the
-host's own work is measured. Calls repeat their arguments, so copy-engine calls replay their
-recorded graphs (``ops._recorded``); ``--distinct`` cycles through more outputs than the
-library keeps records of (``ops.MAX_RECORDS``), so every call is issued in full.
+host's own work is measured: each call alone after a barrier, and calls back to back in
+bursts of ``BURST`` (what a model issuing layer after layer pays). Calls repeat their
+arguments, so copy-engine calls replay their recorded graphs (``ops._recorded``);
+``--distinct`` cycles through more outputs than the library keeps records of
+(``ops.MAX_RECORDS``), so every call is issued in full.
 
 ``--one-gpu``: both ranks on GPU 0 over gloo (a machine with one GPU; the overlapped call
 only). The copy-engine transport then maps the other process's buffer on the same GPU, and
@@ -27,6 +29,23 @@ import itertools
 import os
 import pstats
 import time
+
+BURST = 10  # calls back to back in a burst
+
+
+def _node_kinds(graph) -> dict[str, int]:
+    """How many nodes of each type the captured ``graph`` has (cuda-python)."""
+    from cuda.bindings import driver as drv
+
+    g = drv.CUgraph(graph.raw_cuda_graph())
+    _, _, count = drv.cuGraphGetNodes(g, 0)
+    _, nodes, _ = drv.cuGraphGetNodes(g, count)
+    kinds: dict[str, int] = {}
+    for n in nodes:
+        _, t = drv.cuGraphNodeGetType(n)
+        name = t.name.removeprefix("CU_GRAPH_NODE_TYPE_")
+        kinds[name] = kinds.get(name, 0) + 1
+    return kinds
 
 
 def main() -> None:
@@ -89,38 +108,44 @@ def main() -> None:
     runs = [("plain: x @ w, then the collective", plain)] if not args.one_gpu else []
     described = overlap.plan(x, w, args.collective, backend=args.backend).describe()
 
-    def timed(run) -> list[float]:  # host ms per call, sorted
+    def timed(run, burst: int = 1) -> list[float]:  # host ms per call, sorted
         host = []
         for _ in range(args.calls):
             dist.barrier()
             torch.cuda._sleep(20_000_000)  # ~10 ms: the GPU never holds the host back
             t0 = time.perf_counter()
-            run()
-            host.append((time.perf_counter() - t0) * 1e3)
+            for _ in range(burst):
+                run()
+            host.append((time.perf_counter() - t0) * 1e3 / burst)
             torch.cuda.synchronize()
         return sorted(host)
+
+    def stats(run) -> str:  # a call alone after a barrier, and calls back to back
+        one, many = timed(run), timed(run, BURST)
+        return (
+            f"median {one[len(one) // 2]:.3f}, min {one[0]:.3f}; in bursts of {BURST}: "
+            f"median {many[len(many) // 2]:.3f}, min {many[0]:.3f}"
+        )
 
     for what, run in (*runs, (described, ovl)):
         for _ in range(3):
             run()  # compile, make communicators
         torch.cuda.synchronize()
-        host = timed(run)
+        host = stats(run)
         prof = cProfile.Profile()  # then where the time goes
         timed(lambda run=run: (prof.enable(), run(), prof.disable()))
-        med = host[len(host) // 2]
-        lines.append(f"\n== {what}\nhost ms per call: median {med:.3f}, min {host[0]:.3f}")
+        lines.append(f"\n== {what}\nhost ms per call: {host}")
         lines.append("(the profile below includes the profiler's own overhead)")
         if dist.get_rank() == 0 and run is ovl:
             prof.dump_stats(args.out + ".prof")  # for pstats elsewhere
         buf = io.StringIO()
         pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
         lines.append(buf.getvalue())
-    graph = torch.cuda.CUDAGraph()  # the overlapped call captured once, then replayed
+    graph = torch.cuda.CUDAGraph(keep_graph=True)  # the overlapped call captured, replayed
     with torch.cuda.graph(graph):
         ovl(out)
-    host = timed(graph.replay)
-    lines.append(f"graph replay host ms per call: median {host[len(host) // 2]:.3f}, "
-                 f"min {host[0]:.3f}")  # fmt: skip
+    lines.append(f"graph replay host ms per call: {stats(graph.replay)}")
+    lines.append(f"graph nodes: {_node_kinds(graph)}")
     if args.one_gpu:  # one more call's result (NaN before), replayed, against float64
         out.fill_(float("nan"))
         graph.replay()

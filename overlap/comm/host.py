@@ -33,8 +33,8 @@ import torch.distributed as dist
 
 from ..contract import FLAGS_BYTES, kernel_flags_start
 from ..plan import Plan
-from ..signal.wait import _driver
-from .peer import PeerTransport, _check, receive_slots, slot_bytes
+from ..signal.wait import StreamOps, _driver, check
+from .peer import PeerTransport, receive_slots, slot_bytes
 from .transport import kept
 
 _DEVICEMAP_PORTABLE = 0x02 | 0x01  # CU_MEMHOSTREGISTER_DEVICEMAP | _PORTABLE
@@ -94,9 +94,9 @@ class HostTransport(PeerTransport):
         view = ctypes.c_char.from_buffer(mm)
         host = ctypes.addressof(view)
         (err,) = drv.cuMemHostRegister(host, size, _DEVICEMAP_PORTABLE)
-        _check(err, "cuMemHostRegister")
+        check(err, "cuMemHostRegister")
         err, dev = drv.cuMemHostGetDevicePointer(host, 0)
-        _check(err, "cuMemHostGetDevicePointer")
+        check(err, "cuMemHostGetDevicePointer")
         dist.barrier(group=self.group)  # every rank has mapped the file
         if self.rank == 0:
             os.unlink(path[0])  # the mappings keep the memory
@@ -122,10 +122,10 @@ class HostTransport(PeerTransport):
         return (self.mapping is not None and self.region >= FLAGS_BYTES + need
                 and self.recv is not None and self.recv.numel() >= device)  # fmt: skip
 
-    def _clear(self, cu_stream) -> None:
+    def _clear(self, q: StreamOps) -> None:
         """Zero this rank's flags in host memory but READY, and the kernel's device flags."""
-        super()._clear(cu_stream)
-        self._copy(cu_stream, self.dflags.data_ptr(), self.zeros.data_ptr(), FLAGS_BYTES)
+        super()._clear(q)
+        q.copy(self.dflags.data_ptr(), self.zeros.data_ptr(), FLAGS_BYTES)
 
     def _device_recv(self, n: int) -> None:
         """Device receive slots of at least ``n`` bytes."""
@@ -145,9 +145,10 @@ class HostTransport(PeerTransport):
         n = p.M * p.K * dtype.itemsize
         self._device_recv(n)
         self.recv_stream.wait_stream(stream)  # after this call's start (the caller's reads)
+        q = StreamOps(self.recv_stream.cuda_stream)
         for k in range(p.bands_per_block):
-            self._receive(p, None, k, self.recv_stream.cuda_stream, self.recv.data_ptr(),
-                          dtype.itemsize)  # fmt: skip
+            self._receive(p, None, k, q, self.recv.data_ptr(), dtype.itemsize)
+        q.flush()
         return self.recv[:n].view(dtype).view(p.M, p.K)
 
     def gather(
@@ -176,7 +177,7 @@ class HostTransport(PeerTransport):
         p: Plan,
         slots: torch.Tensor,
         out: torch.Tensor,
-        wait: Callable[[int], None],
+        wait: Callable[..., None],
         stream: torch.cuda.Stream,
     ) -> None:
         """Sends on ``stream`` (``_send``); receives on a second stream, so that both
@@ -186,13 +187,16 @@ class HostTransport(PeerTransport):
         gathered bands into ``out``. ``stream`` then waits for the second stream."""
         rs = self.recv_stream
         rs.wait_stream(stream)
-        self._send(p, slots, out, wait, stream.cuda_stream, None)
+        q, rq = StreamOps(stream.cuda_stream), StreamOps(rs.cuda_stream)
+        self._send(p, slots, out, wait, q, None)
+        q.flush()
         into = self.recv.data_ptr() if p.spec.reduces else 0
         for k in range(p.bands_per_block):
-            self._receive(p, out, k, rs.cuda_stream, into)
+            self._receive(p, out, k, rq, into)
         if p.spec.replicated:
             for k in range(p.bands_per_block):
-                self._receive(p, out, k, rs.cuda_stream)
+                self._receive(p, out, k, rq)
+        rq.flush()
         stream.wait_stream(rs)
 
     def _local_flags(self) -> list[int]:

@@ -199,9 +199,12 @@ class NcclTransport(Transport):
         _, rows, _, row0, _ = plan.chunk_slot(c)
         self.comm.all_gather(buf[row0 : row0 + rows], x[row0 // R : (row0 + rows) // R])
 
-    def arrived(self, plan: Plan, c: int, stream: torch.cuda.Stream | None) -> None:
+    def arrived(
+        self, plan: Plan, chunks: tuple[int, ...], stream: torch.cuda.Stream | None
+    ) -> None:
         if stream is not None:
-            stream.wait_event(self._events[c])
+            for c in chunks:
+                stream.wait_event(self._events[c])
 
     def run_splits(
         self,

@@ -66,7 +66,7 @@ import torch.distributed as dist
 
 from ..contract import FLAGS_BYTES, SET, Epilogue, FlagLayout, band_launched, kernel_flags_start
 from ..plan import Plan
-from ..signal.wait import _driver, method
+from ..signal.wait import StreamOps, method
 from .transport import Transport, kept
 
 _ALIGN = 2 << 20
@@ -96,12 +96,6 @@ def route(group: dist.ProcessGroup | None, device: torch.device) -> str | None:
     verdicts: list = [None] * len(everyone)
     dist.all_gather_object(verdicts, able, group=group)
     return "peer" if all(verdicts) else "host"
-
-
-def _check(err, what: str) -> None:
-    drv = _driver()
-    if err != drv.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"{what} failed: {err}")
 
 
 def slot_bytes(p: Plan, dtype: torch.dtype) -> int:
@@ -211,7 +205,7 @@ class PeerTransport(Transport):
         ``p``."""
         self._usable(p)
         recv, flags = self._prepare(p, out.dtype)
-        self._clear(_driver().CUstream(caller.cuda_stream))
+        self._clear(StreamOps(caller.cuda_stream))
         if p.spec.replicated or (self.a2a_in_place and not p.spec.reduces):
             # the peers' blocks of `out` are scratch until their own data arrives
             slots = out.view(-1)
@@ -219,103 +213,72 @@ class PeerTransport(Transport):
             slots = torch.empty(p.M * p.N, dtype=out.dtype, device=out.device)
         return slots, Epilogue(out, recv, flags, self.rank)
 
-    def _write_at(self, stream: int, addr: int, value: int = SET) -> None:
-        """Write ``value`` into the int32 at ``addr`` (stream-ordered, after a fence over the
-        stream's earlier work)."""
-        drv = _driver()
-        ptr = drv.CUdeviceptr(addr)
-        (err,) = drv.cuStreamWriteValue32(drv.CUstream(stream), ptr, value, 0)
-        _check(err, "cuStreamWriteValue32")
-
-    def _write(self, stream: int, rank: int, index: int) -> None:
-        """Set int32 flag ``index`` of ``rank``."""
-        self._write_at(stream, self._flag(rank, index))
-
-    def _wait(self, stream: int, index: int) -> None:
-        """Order the rest of ``stream`` after this rank's flag ``index`` is set."""
-        self._wait_at(stream, self._flag(self.rank, index))
-
-    def _wait_at(self, stream: int, addr: int) -> None:
-        """Order the rest of ``stream`` after the int32 at ``addr`` is set."""
-        drv = _driver()
-        geq = drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
-        ptr = drv.CUdeviceptr(addr)
-        (err,) = drv.cuStreamWaitValue32(drv.CUstream(stream), ptr, SET, geq)
-        _check(err, "cuStreamWaitValue32")
-
-    def _copy(self, cu_stream, dst: int, src: int, n: int) -> None:
-        """``n`` bytes from ``src`` to ``dst`` (either may be a peer's), by a copy engine."""
-        drv = _driver()
-        (err,) = drv.cuMemcpyAsync(drv.CUdeviceptr(dst), drv.CUdeviceptr(src), n, cu_stream)
-        _check(err, "cuMemcpyAsync")
-
     def _slot(self, rank: int, region: int, s: int, k: int, p: Plan, es: int) -> int:
         """Address (mapped here) of band ``k`` of slot ``s`` in ``rank``'s slot region
         ``region`` (0 receive, 1 gather), each ``[R, B, width]`` (``_width``)."""
         row = region * p.M + s * (p.M // self.size) + k * p.run_rows
         return self.ptrs[rank] + FLAGS_BYTES + row * _width(p) * es
 
-    def _receive(self, p: Plan, out, k: int, stream: int, into_recv: int = 0, es: int = 0):
-        """Band ``k`` of this rank's block from every peer, on ``stream``, once its flag is
-        here: into ``out``'s block s (all-to-all: the receive slot; all-reduce with
+    def _receive(self, p: Plan, out, k: int, q: StreamOps, into_recv: int = 0, es: int = 0):
+        """Band ``k`` of this rank's block from every peer, on ``q``'s stream, once its flag
+        is here: into ``out``'s block s (all-to-all: the receive slot; all-reduce with
         ``into_recv`` 0: the gather slot), or (``into_recv``, a device address of receive
         slots; ``es`` the element size) into the device receive slot, then the kernel's flag
         for it (``HostTransport``; the all-gather's shards too)."""
         R, r, es, width = self.size, self.rank, es or out.element_size(), _width(p)
         flags = _layout(R, p.bands_per_block)
         band, B = p.run_rows * width * es, p.M // R
-        cu = _driver().CUstream(stream)
         gather = p.spec.replicated and not into_recv
         dst0 = into_recv or out.data_ptr()
         for s in ((r + j) % R for j in range(1, R)):
-            self._wait(stream, flags.gathered(s, k) if gather else flags.arrived(s, k))
+            q.wait(self._flag(r, flags.gathered(s, k) if gather else flags.arrived(s, k)), SET)
             dst = dst0 + (s * B + k * p.run_rows) * width * es
-            self._copy(cu, dst, self._slot(r, int(gather), s, k, p, es), band)
+            q.copy(dst, self._slot(r, int(gather), s, k, p, es), band)
             if into_recv:
-                self._write_at(stream, self.kernel_flag(flags.kernel_index(s, k)))
+                q.write(self.kernel_flag(flags.kernel_index(s, k)), SET)
 
-    def _clear(self, cu_stream) -> None:
-        """Zero this rank's flags but READY, on the caller's stream before the call's other
-        work (the module docstring says why that is safe)."""
+    def _clear(self, q: StreamOps) -> None:
+        """Zero this rank's flags but READY, on the caller's stream (``q``'s) before the
+        call's other work (the module docstring says why that is safe)."""
         R = self.size
-        self._copy(cu_stream, self._flag(self.rank, R), self.zeros.data_ptr(), FLAGS_BYTES - 4 * R)
+        q.copy(self._flag(self.rank, R), self.zeros.data_ptr(), FLAGS_BYTES - 4 * R)
 
-    def _handshake(self, stream: int, flags: FlagLayout) -> list[int]:
-        """On ``stream``: READY to every peer (this rank's buffer may be written), then wait
-        for theirs, zeroing each; returns the peers in push order."""
+    def _handshake(self, q: StreamOps, flags: FlagLayout) -> list[int]:
+        """On ``q``'s stream: READY to every peer (this rank's buffer may be written), then
+        wait for theirs, zeroing each; returns the peers in push order."""
         R, r = self.size, self.rank
         peers = [(r + j) % R for j in range(1, R)]
         for d in peers:
-            self._write(stream, d, flags.ready(r))
+            q.write(self._flag(d, flags.ready(r)), SET)
         for s in peers:
-            self._wait(stream, flags.ready(s))
-            self._write_at(stream, self._flag(r, flags.ready(s)), 0)
+            q.wait(self._flag(r, flags.ready(s)), SET)
+            q.write(self._flag(r, flags.ready(s)), 0)
         return peers
 
-    def _send(self, p: Plan, slots: torch.Tensor, out: torch.Tensor, wait, stream: int, own):
-        """On ``stream``: READY to every peer and wait for theirs; then per band ``a`` in the
-        order the kernel launches them (block ``d``, band ``k`` in it), after ``wait(c)``:
-        ``d != r``: push it into rank d's receive slot r and set ARRIVED[r][k] there;
-        ``d == r``, all-reduce: push the reduced band from ``out`` into every peer's gather
-        slot r and set GATHERED[r][k] there; then ``own(k)`` if given."""
+    def _send(self, p: Plan, slots: torch.Tensor, out: torch.Tensor, wait, q: StreamOps, own):
+        """On ``q``'s stream: READY to every peer and wait for theirs; then per band ``a`` in
+        the order the kernel launches them (block ``d``, band ``k`` in it), after
+        ``wait(c, q)``: ``d != r``: push it into rank d's receive slot r and set
+        ARRIVED[r][k] there; ``d == r``, all-reduce: push the reduced band from ``out`` into
+        every peer's gather slot r and set GATHERED[r][k] there; then ``own(k)`` if given.
+        A flag write and the next wait go out as one batch (``StreamOps``)."""
         R, r, b, es = self.size, self.rank, p.bands_per_block, slots.element_size()
         flags = _layout(R, b)
         band = p.run_rows * p.N * es  # bytes
-        cu = _driver().CUstream(stream)
-        peers = self._handshake(stream, flags)
+        peers = self._handshake(q, flags)
         for c in range(p.n_row_bands):
             a = band_launched(p, r, c)
             d, k = divmod(a, b)
             if d != r:
-                wait(c)
-                self._copy(cu, self._slot(d, 0, r, k, p, es), slots.data_ptr() + a * band, band)
-                self._write(stream, d, flags.arrived(r, k))
+                wait(c, q)
+                q.copy(self._slot(d, 0, r, k, p, es), slots.data_ptr() + a * band, band)
+                q.write(self._flag(d, flags.arrived(r, k)), SET)
                 continue
             if p.spec.replicated:
-                wait(c)
-                for q in peers:
-                    self._copy(cu, self._slot(q, 1, r, k, p, es), out.data_ptr() + a * band, band)
-                    self._write(stream, q, flags.gathered(r, k))
+                wait(c, q)
+                for e in peers:
+                    q.copy(self._slot(e, 1, r, k, p, es), out.data_ptr() + a * band, band)
+                    q.write(self._flag(e, flags.gathered(r, k)), SET)
             if own is not None:
                 own(k)
 
@@ -324,7 +287,7 @@ class PeerTransport(Transport):
         p: Plan,
         slots: torch.Tensor,
         out: torch.Tensor,
-        wait: Callable[[int], None],
+        wait: Callable[..., None],
         stream: torch.cuda.Stream,
     ) -> None:
         """All of it on ``stream`` (the communication stream; it need not be current):
@@ -332,10 +295,11 @@ class PeerTransport(Transport):
         copied into ``out`` as their flags arrive (``_receive``). Reduce-scatter receives
         nothing here: the kernel reads the receive slots. Every copy is a copy engine's; the
         caller waits for ``stream``."""
-        h, own = stream.cuda_stream, None
+        q, own = StreamOps(stream.cuda_stream), None
         if not p.spec.scatters:  # every rank's rows come back into `out`
-            own = lambda k: self._receive(p, out, k, h)  # noqa: E731
-        self._send(p, slots, out, wait, h, own)
+            own = lambda k: self._receive(p, out, k, q)  # noqa: E731
+        self._send(p, slots, out, wait, q, own)
+        q.flush()
 
     def gather(
         self, p: Plan, x: torch.Tensor, stream: torch.cuda.Stream, caller: torch.cuda.Stream
@@ -349,17 +313,17 @@ class PeerTransport(Transport):
         self._usable(p)
         R, r, b, es = self.size, self.rank, p.bands_per_block, x.element_size()
         self._ensure(p.M * p.K * es)
-        self._clear(_driver().CUstream(caller.cuda_stream))
+        self._clear(StreamOps(caller.cuda_stream))
         stream.wait_stream(caller)  # the flags are zero and the shard ready before it starts
         buf = self._gathered(p, x.dtype, stream)
         flags, band = _layout(R, b), p.run_rows * p.K * es
-        h = stream.cuda_stream
-        cu = _driver().CUstream(h)
-        peers = self._handshake(h, flags)
+        q = StreamOps(stream.cuda_stream)
+        peers = self._handshake(q, flags)
         for k in range(b):
             for d in peers:
-                self._copy(cu, self._slot(d, 0, r, k, p, es), x.data_ptr() + k * band, band)
-                self._write(h, d, flags.arrived(r, k))
+                q.copy(self._slot(d, 0, r, k, p, es), x.data_ptr() + k * band, band)
+                q.write(self._flag(d, flags.arrived(r, k)), SET)
+        q.flush()
         return buf
 
     def _gathered(self, p: Plan, dtype: torch.dtype, stream: torch.cuda.Stream) -> torch.Tensor:
@@ -367,13 +331,15 @@ class PeerTransport(Transport):
         n = p.M * p.K * dtype.itemsize
         return self.buf[FLAGS_BYTES : FLAGS_BYTES + n].view(dtype).view(p.M, p.K)
 
-    def arrived(self, p: Plan, c: int, stream: torch.cuda.Stream) -> None:
-        """The caller's ``stream`` waits for chunk ``c`` (band ``k`` of rank ``s``'s shard,
-        ``c = s b + k``) on the kernel's flag for it (no SM used)."""
-        s, k = divmod(c, p.bands_per_block)
-        if s != self.rank:
-            index = _layout(self.size, p.bands_per_block).kernel_index(s, k)
-            self._wait_at(stream.cuda_stream, self.kernel_flag(index))
+    def arrived(self, p: Plan, chunks: tuple[int, ...], stream: torch.cuda.Stream) -> None:
+        """The caller's ``stream`` waits for ``chunks`` (chunk ``c = s b + k``: band ``k`` of
+        rank ``s``'s shard) on the kernel's flags for them (one batch; no SM used)."""
+        q, flags = StreamOps(stream.cuda_stream), _layout(self.size, p.bands_per_block)
+        for c in chunks:
+            s, k = divmod(c, p.bands_per_block)
+            if s != self.rank:
+                q.wait(self.kernel_flag(flags.kernel_index(s, k)), SET)
+        q.flush()
 
     def kernel_flag(self, index: int) -> int:
         """Address of the kernel's flag ``index`` (``FlagLayout.kernel_index``) here."""
@@ -389,8 +355,10 @@ class PeerTransport(Transport):
         GEMM waiting in its epilogue may hold them all); the transport refuses later calls."""
         self.broken = True
         side = torch.cuda.Stream(self.device)
+        q = StreamOps(side.cuda_stream)
         for addr in self._local_flags():
-            self._write_at(side.cuda_stream, addr)
+            q.write(addr, SET)
+        q.flush()
         side.synchronize()
 
     def close(self) -> None:

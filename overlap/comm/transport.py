@@ -10,14 +10,16 @@ A transport moves the chunks of a plan between the ranks of a group. An overlapp
    every tile to its slot);
 2. ``run(plan, slots, out, wait, stream)``: issue every chunk on ``stream`` (the
    communication stream; ``None`` on CPU), calling ``wait(c)`` first for each chunk ``c``
-   it reads from ``slots`` (``wait`` orders the stream after chunk ``c``'s tiles);
+   it reads from ``slots`` (``wait`` orders the stream after chunk ``c``'s tiles; the copy
+   engines call ``wait(c, ops)`` with their ``signal.wait.StreamOps`` of ``stream``, and the
+   wait joins its batch);
 3. ``abort()`` when validation mode's watch times out (a peer died mid-call);
 4. ``close()`` when the context is released (``overlap.release``).
 
 An all-gather (a collective *before* the matmul, ``overlap.all_gather_matmul``) asks instead
 ``gather(plan, x, stream, caller)``, which orders ``stream`` after ``caller``, issues every
-chunk and returns the buffer the chunks arrive in, then ``arrived(plan, c, caller)`` before
-the consumer's matmuls of chunk ``c``.
+chunk and returns the buffer the chunks arrive in, then ``arrived(plan, chunks, caller)``
+before the consumer's matmuls of a band (``Plan.shard_bands``).
 
 ``blocked`` says which plan layout it runs (``make_plan(blocked=...)``). The transports:
 ``"torch"`` and ``"cupy"`` (NCCL, one collective per chunk: ``nccl.py``), ``"ce"`` (copy
@@ -84,7 +86,7 @@ class Transport:
         plan: Plan,
         slots: torch.Tensor,
         out: torch.Tensor,
-        wait: Callable[[int], None],
+        wait: Callable[..., None],
         stream: torch.cuda.Stream | None,
     ) -> None:
         """Issue every chunk of ``plan`` on ``stream``; ``out`` holds the result once
@@ -105,8 +107,10 @@ class Transport:
         unwritten)."""
         raise NotImplementedError
 
-    def arrived(self, plan: Plan, c: int, stream: torch.cuda.Stream | None) -> None:
-        """Make ``stream`` (the caller's) wait until chunk ``c`` of the last ``gather`` is in
+    def arrived(
+        self, plan: Plan, chunks: tuple[int, ...], stream: torch.cuda.Stream | None
+    ) -> None:
+        """Make ``stream`` (the caller's) wait until ``chunks`` of the last ``gather`` are in
         its buffer."""
         raise NotImplementedError
 
