@@ -8,7 +8,7 @@ that holds, for each destination rank ``d``, its flags and its slots ``[regions]
 
 - Sending (the communication stream): a finished band for rank ``d`` is copied to the host
   (a device-to-host copy engine) into ``d``'s region, slot ``r``, then ``d``'s flag for it is
-  set in host memory (``cuStreamWriteValue32`` on the host address, after a fence).
+  set in host memory (a stream memory write on the host address, after a fence).
 - Receiving (a second stream, so that both directions of the PCIe link work at once): once
   a peer's flag in this rank's region is set, the band is copied host-to-device
   into the device receive slot and the kernel's device flag is set (all-reduce and

@@ -28,9 +28,11 @@ rank: as NCCL's ring, (R - 1) / R of the product for reduce-scatter and all-to-a
 
 Buffer per rank (symmetric memory): flags (``contract.FlagLayout``: ``READY[R]``,
 ``ARRIVED[R][b]``, ``GATHERED[R][b]``), then receive slots ``[R, B, N]``, then (all-reduce)
-gather slots ``[R, B, N]``. Flags are set (``contract.SET``) by peers with
-``cuStreamWriteValue32`` (which fences the stream's earlier copies) and awaited with
-``cuStreamWaitValue32(GEQ)`` or, in the kernel, with acquire loads. They are one-shot, so
+gather slots ``[R, B, N]``. Flags are set (``contract.SET``) by peers with stream memory
+writes (which fence the stream's earlier copies) and awaited with stream waits (GEQ) or, in
+the kernel, with acquire loads; the waits and writes between two copies of a stream go out as
+one ``cuStreamBatchMemOp`` (``signal.wait.StreamOps``: in a CUDA graph each batch is a node,
+and such nodes cost host time at every replay). They are one-shot, so
 every call issues the same operations with the same values and a CUDA graph can replay them.
 A call begins (``_handshake``) by zeroing this rank's ARRIVED and GATHERED flags (one copy
 from a zeroed buffer: everything the previous call waited for has been seen, since this

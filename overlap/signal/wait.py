@@ -122,11 +122,12 @@ class StreamOps:
     operations (32-bit waits and writes of flags and counters) gathered in issue order and
     issued as one ``cuStreamBatchMemOp`` before the next copy or at ``flush``.
 
-    In a CUDA graph a batch is one node, and every replay costs ~1.7 us of host time per
+    In a CUDA graph a batch is one node, and every replay costs ~1.1-1.7 us of host time per
     such node however many operations it holds, where copy and kernel nodes cost next to
-    nothing (one H200, 2026-11-24: 16 waits as 16 nodes 31 us per replay, as one node
-    4.5 us; 32 copies 3.0 us). ``flush`` before anything else orders work after this
-    stream's (``wait_stream``, an event) and at the end of a call.
+    nothing (one H200, 2026-11-24, ``tools/graph_launch.py``: 16 waits as 16 nodes 20-31 us
+    per replay, 16 operations as one batch 4.1-4.5 us, 32 copies 2.7-3.0 us). ``flush``
+    before anything else orders work after this stream's (``wait_stream``, an event) and at
+    the end of a call.
     """
 
     def __init__(self, stream: int) -> None:
