@@ -38,10 +38,12 @@ from .collectives import collective as _spec
 
 MAX_CHUNKS = 64  # counters per context; plans never exceed it
 # Below this many FLOP the planner picks the plain path by itself: the host must stay ahead of
-# the GPU. Measured on 2x H200 (BENCHMARKS.md, 2026-11-22): an overlapped call costs 0.37-0.57
-# ms of host time (4-8 chunks), 0.25 ms with 2; decode shapes (M = 16, 128; N = 8192,
-# K = 4096) took 0.18-0.29 ms overlapped against 0.03-0.07 ms sequential. 2e11 FLOP is about
-# 0.27 ms of bf16 GEMM on an H200; the smallest bench shape (4096x8192x4096) has 2.7e11.
+# the GPU. Measured on 2x H200 (BENCHMARKS.md, 2026-11-22): an overlapped call issued in full
+# costs 0.37-0.57 ms of host time (4-8 chunks), 0.25 ms with 2; decode shapes (M = 16, 128;
+# N = 8192, K = 4096) took 0.18-0.29 ms overlapped against 0.03-0.07 ms sequential. 2e11 FLOP
+# is about 0.27 ms of bf16 GEMM on an H200; the smallest bench shape (4096x8192x4096) has
+# 2.7e11. Repeated copy-engine calls (recorded graphs) now cost less host time than the plain
+# call: for them the threshold should come from two-GPU GPU times (NOTES.md, "Open ideas").
 MIN_OVERLAP_FLOPS = 2e11
 
 # Tile configs (block_m, block_n, block_k, num_warps, num_stages); the interpreter gets small
