@@ -578,8 +578,11 @@ def _recorded(call, ctx: Context, p: Plan, capturing: bool, key: tuple | None, o
     outputs first): one graph launch instead of the ~25 driver calls and the kernel launch
     of an eager call (the GPU work is the same: every call zeroes its own counters and
     flags). Only the first sighting runs eagerly, so calls whose addresses never repeat pay
-    no capture. The graphs share one memory pool: a call's temporaries die with it, and the
-    group's copy-engine calls never run at once. Not in validation mode (its watch needs the
+    no capture. The graphs of one transport (one group on one device) share a memory pool,
+    its ``graph_pool``: a call's temporaries (counters, slots) die with it, so graphs
+    captured later reuse them, which is safe because the group's copy-engine calls never run
+    at once; another group's calls may run beside them, on another stream, and take another
+    pool. Not in validation mode (its watch needs the
     communication stream), not for NCCL (not yet run on two GPUs), not while capturing, not
     where ``x`` was copied to make it 2-D (``key`` is None then).
     """
@@ -606,19 +609,15 @@ def _recorded(call, ctx: Context, p: Plan, capturing: bool, key: tuple | None, o
         if ctx.record_stream is None:
             ctx.record_stream = torch.cuda.Stream(ctx.device)
         with torch.cuda.stream(ctx.record_stream):
-            graph.capture_begin(pool=_pool(ctx.device), capture_error_mode="thread_local")
+            if t.graph_pool is None:
+                t.graph_pool = torch.cuda.graph_pool_handle()
+            graph.capture_begin(pool=t.graph_pool, capture_error_mode="thread_local")
             try:
                 call(True)
             finally:
                 graph.capture_end()
         rec = records[key] = rec._replace(graph=graph)
     rec.graph.replay()
-
-
-@functools.cache
-def _pool(device: torch.device):
-    """The memory pool of every recorded call's graph on ``device``."""
-    return torch.cuda.graph_pool_handle()
 
 
 def overlapped(

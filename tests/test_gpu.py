@@ -656,6 +656,60 @@ def test_uneven_ops_one_gpu(monkeypatch):
     _on_host_road(monkeypatch, _uneven_one_gpu)
 
 
+def _two_groups_one_gpu(rank, R, seed, rounds=40):
+    """2 ranks on GPU 0 over gloo, two groups of both ranks (the default one and a second),
+    each with its own copy-engine transport (host road): reduce-scatter calls of each group on
+    a stream of its own, issued back to back so that the two groups' calls run at once, and
+    repeated, so that from the second round on both replay recorded graphs. Each round's
+    results against float64. The graphs of two groups must not share a memory pool: a
+    temporary freed at the end of one group's capture (its slots, its counters) would be the
+    other group's too, and the two calls would write into each other's."""
+    import torch.distributed as dist
+
+    import overlap
+    from overlap.context import records
+
+    torch.cuda.set_device(0)
+    dev = torch.device("cuda", 0)
+    dt, M, K, N = torch.bfloat16, 1024, 512, 1024
+    groups = [None, dist.new_group(list(range(R)))]
+    streams = [torch.cuda.Stream(dev) for _ in groups]
+    gw = torch.Generator(device=dev).manual_seed(seed)
+    ws = [torch.randn(K, N, device=dev, generator=gw, dtype=dt) / 16 for _ in groups]
+    xs = [torch.empty(M, K, device=dev, dtype=dt) for _ in groups]
+    outs = [torch.empty(M // R, N, device=dev, dtype=dt) for _ in groups]
+    failures = []
+    for i in range(rounds):
+        g = torch.Generator(device=dev).manual_seed(seed + 1 + i)
+        every = [torch.randn(R, M, K, device=dev, generator=g, dtype=dt) for _ in groups]
+        for x, out, e in zip(xs, outs, every, strict=True):
+            x.copy_(e[rank])
+            out.fill_(float("nan"))
+        for s in streams:
+            s.wait_stream(torch.cuda.current_stream(dev))
+        for group, s, x, w, out in zip(groups, streams, xs, ws, outs, strict=True):
+            with torch.cuda.stream(s):
+                overlap.matmul_collective(x, w, "reduce_scatter", group=group, out=out,
+                                          chunks=4, backend="ce")  # fmt: skip
+        torch.cuda.synchronize(dev)
+        B = M // R
+        for j, (w, out, e) in enumerate(zip(ws, outs, every, strict=True)):
+            ref = (e.double() @ w.double()).sum(0)[rank * B : (rank + 1) * B]
+            why = mismatch(out, ref, TOL[dt])
+            failures += [f"round {i} group {j}: {why}"] if why else []
+        if len(failures) > 6:
+            break
+    pools = {r.ctx.group: r.graph.pool() for r in records.values() if r.graph is not None}
+    if len(pools) != 2 or len(set(pools.values())) != 2:
+        failures.append(f"recorded graphs' pools by group: {pools}, expected two, distinct")
+    return failures
+
+
+def test_recorded_calls_of_two_groups_one_gpu(monkeypatch):
+    """One GPU: two groups' recorded copy-engine calls running at once on two streams."""
+    _on_host_road(monkeypatch, _two_groups_one_gpu)
+
+
 def _graph_host_road_one_gpu(rank, R, seed, replays=10_000):
     """2 ranks on GPU 0 over gloo: every op through the copy engines' host road captured in
     one CUDA graph and replayed ``replays`` times on fresh inputs, each replay against float64;

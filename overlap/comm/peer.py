@@ -134,6 +134,7 @@ class PeerTransport(Transport):
         self.buf: torch.Tensor | None = None  # uint8, local view of the symmetric buffer
         self.ptrs: list[int] = []  # every rank's buffer, mapped here
         self._views: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # _prepare's
+        self.graph_pool = None  # the memory pool of the graphs of recorded calls (ops._recorded)
 
     # -- buffer ------------------------------------------------------------------------------
     def _ensure(self, nbytes: int) -> None:
