@@ -12,7 +12,7 @@ and through Triton's JIT every time, taking turns; and a profile of the fused la
 and cached; the same ops queued behind a stream wait that is not met yet (as on a real call's
 communication stream); and the Python of the copy-engine transport's ``begin`` + ``run`` for one
 call of rank 0 of 2, its driver calls stubbed out (a local buffer stands in for the symmetric
-one)."""
+one); and a call that the library hands to its plain path (world size 1) against ``x @ w``."""
 
 from __future__ import annotations
 
@@ -138,6 +138,13 @@ def main(out_path: str) -> None:
     w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16).t()
     y = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
     res["torch.matmul launch"] = _per_call(lambda: torch.matmul(x, w, out=y), n=50)
+    import overlap  # its plain path, whole (world size 1: the matmul alone), against x @ w
+
+    xd = x[:16]
+    res["overlap.matmul_allreduce, plain path, M = 16"] = _per_call(
+        lambda: overlap.matmul_allreduce(xd, w), n=50
+    )
+    res["x @ w, M = 16"] = _per_call(lambda: xd @ w, n=50)
     cnt = torch.zeros(64, dtype=torch.int32, device="cuda")
     plan = make_plan(M, N, K, world_size=2, collective="all_reduce", dtype_bits=16)
     bplan = make_plan(M, N, K, world_size=2, collective="all_reduce", dtype_bits=16, blocked=True)
