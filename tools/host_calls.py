@@ -216,10 +216,10 @@ def _profile(fn, n: int = 200) -> str:
 def _transport_python() -> dict:
     """Microseconds of Python per ``begin`` + ``run`` of the copy-engine transport (rank 0 of
     2, driver calls stubbed), for the bench's large shapes' plans."""
-    from overlap.comm import peer as peer_mod
     from overlap.comm.peer import PeerTransport
     from overlap.contract import FLAGS_BYTES
     from overlap.plan import make_plan
+    from overlap.signal import wait as wait_mod
 
     class Stub:  # the driver calls the transport makes, doing nothing
         class CUresult:
@@ -228,10 +228,15 @@ def _transport_python() -> dict:
         class CUstreamWaitValue_flags:
             CU_STREAM_WAIT_VALUE_GEQ = 1
 
-        CUstream = CUdeviceptr = staticmethod(lambda v: v)
-        cuMemcpyAsync = cuStreamWriteValue32 = cuStreamWaitValue32 = staticmethod(lambda *a: (0,))
+        class CUstreamBatchMemOpType:
+            CU_STREAM_MEM_OP_WAIT_VALUE_32 = CU_STREAM_MEM_OP_WRITE_VALUE_32 = 0
 
-    real, peer_mod._driver = peer_mod._driver, lambda: Stub
+        CUstreamBatchMemOpParams = staticmethod(lambda: types.SimpleNamespace(
+            waitValue=types.SimpleNamespace(), writeValue=types.SimpleNamespace()))  # fmt: skip
+        CUstream = CUdeviceptr = staticmethod(lambda v: v)
+        cuMemcpyAsync = cuStreamBatchMemOp = staticmethod(lambda *a: (0,))
+
+    real, wait_mod._driver = wait_mod._driver, lambda: Stub
     res = {}
     try:
         for M, N, K in ((4096, 8192, 4096), (16384, 8192, 4096)):
@@ -249,12 +254,12 @@ def _transport_python() -> dict:
                 t0 = time.perf_counter()
                 for _ in range(500):
                     slots, _ = t.begin(p, out, stream)
-                    t.run(p, slots, out, lambda c: None, stream)
+                    t.run(p, slots, out, lambda c, ops: ops.wait(0, 1), stream)
                 us = (time.perf_counter() - t0) / 500 * 1e6
                 res[f"transport Python, {coll} {M}x{N}, {p.n_chunks} chunks"] = us
                 del t
     finally:
-        peer_mod._driver = real
+        wait_mod._driver = real
     return res
 
 
