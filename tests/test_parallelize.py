@@ -1,6 +1,7 @@
 """``overlap.nn.parallelize`` on 2 gloo ranks (the kernels in Triton's interpreter): tiny
-Llama (with biases), Qwen3 (q/k norms: ``replicated_with_grad_allreduce``) and Gemma (tied
-embeddings) built from their configs with fresh random fp32 weights, with and without sequence
+Llama (with biases), Qwen3 (q/k norms: ``replicated_with_grad_allreduce``), Gemma (tied
+embeddings) and Phi3 (fused projections: ``colwise_gather_output``, ``rowwise_split_input``)
+built from their configs with fresh random fp32 weights, with and without sequence
 parallelism, against the unsharded model in float64 on the same data: logits, and the
 gradient of every parameter (a shard's against its rows or columns of the whole model's). Bad
 configs and plans raise before the model changes; world size 1 is a no-op. Skipped without
@@ -25,16 +26,19 @@ transformers = pytest.importorskip("transformers")
 TOL = 2e-5
 TINY = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
             intermediate_size=128, num_hidden_layers=2, vocab_size=128)  # fmt: skip
-FAMILIES = {  # config class, model class, extra config fields
-    "llama": ("LlamaConfig", "LlamaForCausalLM", {"attention_bias": True, "mlp_bias": True}),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
-    "gemma": ("GemmaConfig", "GemmaForCausalLM", {}),
-}
+FAMILIES = {  # config class, model class, extra config fields, column and row layers per layer
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {"attention_bias": True, "mlp_bias": True},
+              (5, 2)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}, (5, 2)),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", {}, (5, 2)),
+    # fused qkv and gate_up: colwise_gather_output, rowwise_split_input
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0}, (2, 2)),
+}  # fmt: skip
 
 
 def _tiny(family: str, seed: int, **fields) -> nn.Module:
     """A tiny ``*ForCausalLM`` of ``family`` with every parameter drawn from ``seed``."""
-    config_cls, model_cls, extra = FAMILIES[family]
+    config_cls, model_cls, extra, _ = FAMILIES[family]
     config = getattr(transformers, config_cls)(**{**TINY, **extra, **fields})
     model = getattr(transformers, model_cls)(config).float()
     g = torch.Generator().manual_seed(seed)
@@ -65,8 +69,9 @@ def _family_case(rank: int, R: int, family: str, sp: bool, seed: int) -> list[st
     layers = ref.config.num_hidden_layers
     kinds = [type(m) for m in model.modules()]
     counts = (kinds.count(ColumnParallelLinear), kinds.count(RowParallelLinear))
-    if counts != (5 * layers, 2 * layers):  # q, k, v, gate, up; o, down
-        return [f"{name}: {counts} column and row layers, expected {5 * layers, 2 * layers}"]
+    expected = tuple(layers * n for n in FAMILIES[family][3])
+    if counts != expected:
+        return [f"{name}: {counts} column and row layers, expected {expected}"]
     g = torch.Generator().manual_seed(seed + 1)
     ids = torch.randint(0, ref.config.vocab_size, (2, 8), generator=g)  # [b, s]
     weights = torch.randn(2, 8, ref.config.vocab_size, generator=g)  # d loss / d logits
@@ -90,7 +95,7 @@ def _family_case(rank: int, R: int, family: str, sp: bool, seed: int) -> list[st
 
 # every family once, sequence parallelism on and off (the column and row layers' own options
 # are tested in test_nn.py; each case here costs 4-13 s in the interpreter on 2 cores)
-CASES = [("llama", False), ("llama", True), ("qwen3", True), ("gemma", False)]
+CASES = [("llama", False), ("llama", True), ("qwen3", True), ("gemma", False), ("phi3", False)]
 
 
 def _families(rank: int, R: int, seed: int) -> list[str]:
