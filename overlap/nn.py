@@ -327,16 +327,20 @@ def parallelize(
     Every rank must hold the same whole model (same weights); each ``nn.Linear`` named by the
     plan becomes this rank's shard of it (``from_linear``):
 
-    ==============================  ===========================================================
-    style                           becomes
-    ==============================  ===========================================================
-    ``colwise``                     ``ColumnParallelLinear``: ``[..., in]`` -> ``[..., out/R]``
-    ``rowwise``                     ``RowParallelLinear``: ``[..., in/R]`` -> ``[..., out]``
-    ``colwise_gather_output``       ``ColumnParallelLinear(gather_output=True)``
-    ``rowwise_split_input``         ``RowParallelLinear(input_is_parallel=False)``
-    ``replicated_with_grad_allreduce``  kept whole; its parameters' gradients summed over the
-                                    ranks (a norm over this rank's heads only, e.g. q_norm)
-    ==============================  ===========================================================
+    ==================================  =======================================================
+    style                               becomes
+    ==================================  =======================================================
+    ``colwise``                         ``ColumnParallelLinear``: ``[..., in]`` ->
+                                        ``[..., out / R]``
+    ``rowwise``                         ``RowParallelLinear``: ``[..., in / R]`` ->
+                                        ``[..., out]``
+    ``colwise_gather_output``           ``ColumnParallelLinear(gather_output=True)``:
+                                        ``[..., in]`` -> ``[..., out]``
+    ``rowwise_split_input``             ``RowParallelLinear(input_is_parallel=False)``:
+                                        ``[..., in]`` -> ``[..., out]``
+    ``replicated_with_grad_allreduce``  kept whole, its parameters' gradients summed over the
+                                        ranks (a norm applied to this rank's heads: q_norm)
+    ==================================  =======================================================
 
     Attention in transformers 5 reshapes with ``-1`` heads, so q/k/v/o split by heads need no
     change to the modules' head counts. Modules the plan does not name (embeddings, norms,
@@ -355,9 +359,10 @@ def parallelize(
     model do the layout: the first decoder layer's input is split, each attention's input
     gathered, o's input made sequence first, the final ``norm``'s input gathered back to
     ``[b, s, h]``. That needs ``base_model.layers`` and ``base_model.norm``, attention modules
-    whose class name ends in ``Attention`` holding the q/k/v/o of the plan, and plain
-    ``colwise``/``rowwise``/``replicated_with_grad_allreduce`` entries only; other models
-    raise ``NotImplementedError``. Hidden states returned by ``output_hidden_states`` are the
+    whose class name ends in ``Attention`` holding the q/k/v/o of the plan, plain
+    ``colwise``/``rowwise``/``replicated_with_grad_allreduce`` entries only, and in the layers
+    no parameters outside the plan's linears and the attention but norms'; other models raise
+    ``NotImplementedError``. Hidden states returned by ``output_hidden_states`` are the
     ``[s / R, b, h]`` shards.
 
     At world size 1 (or without an initialized process group and ``group=None``) it returns
@@ -387,26 +392,27 @@ def parallelize(
     base = getattr(model, "base_model", model)
     named = [(name, module, plan.get(_generic(name))) for name, module in base.named_modules()]
     named = [(name, module, style) for name, module, style in named if style is not None]
-    _check_plan(named, config, R, sequence_parallel)
+    _check_plan(named, config, R)
+    # the attention modules: they need whole sequences (sequence parallel)
+    attention = {n.rpartition(".")[0] for n, _, s in named if s in _STYLES}
+    attention = {n for n in attention if type(base.get_submodule(n)).__name__.endswith("Attention")}
+    if sequence_parallel:
+        _check_sequence_parallel(base, named, attention)
 
-    attention = set()  # names of the attention modules (sequence parallel)
     for name, module, style in named:
         if style == "replicated_with_grad_allreduce":
             for p in module.parameters():
                 _sum_grad_over_ranks(p, group)
             continue
         parent_name, _, child = name.rpartition(".")
-        parent = base.get_submodule(parent_name)
-        in_attention = type(parent).__name__.endswith("Attention")
         cls, kw = _STYLES[style]
+        in_attention = parent_name in attention
         # attention gets whole sequences: its q/k/v are plain column layers
         sp = sequence_parallel and not (in_attention and cls is ColumnParallelLinear)
         layer = cls.from_linear(module, group, sequence_parallel=sp, **kw)
-        setattr(parent, child, layer)
-        if sequence_parallel and in_attention:
-            attention.add(parent_name)
-            if cls is RowParallelLinear:  # [b, s, in / R] -> [s, b, in / R]: tokens seq first
-                layer.register_forward_pre_hook(lambda m, args: (args[0].transpose(0, 1),))
+        setattr(base.get_submodule(parent_name), child, layer)
+        if sp and in_attention:  # o: [b, s, in / R] -> [s, b, in / R], the tokens seq first
+            layer.register_forward_pre_hook(lambda m, args: (args[0].transpose(0, 1),))
     if sequence_parallel:
         _sequence_parallel_hooks(base, attention, group, R, rank)
     return model
@@ -417,9 +423,9 @@ def _generic(name: str) -> str:
     return ".".join("*" if part.isdigit() else part for part in name.split("."))
 
 
-def _check_plan(named: list, config, R: int, sequence_parallel: bool) -> None:
+def _check_plan(named: list, config, R: int) -> None:
     """Raises before anything is changed: unsupported styles or modules, sizes not divisible
-    by ``R``, a structure sequence parallelism does not cover."""
+    by ``R``."""
     supported = {*_STYLES, "replicated_with_grad_allreduce"}
     bad = sorted({f"{_generic(n)}: {s!r}" for n, _, s in named if s not in supported})
     if bad:
@@ -430,8 +436,10 @@ def _check_plan(named: list, config, R: int, sequence_parallel: bool) -> None:
         )
     for name, module, style in named:
         if style in _STYLES and not isinstance(module, nn.Linear):
-            raise NotImplementedError(f"the plan makes {name} {style!r}, but it is a "
-                                      f"{type(module).__name__}, not an nn.Linear")  # fmt: skip
+            kind = type(module).__name__
+            again = " (parallelized already)" if isinstance(module, _Sharded) else ""
+            raise NotImplementedError(f"the plan makes {name} {style!r}, but it is a {kind}"
+                                      f"{again}, not an nn.Linear")  # fmt: skip
     if any(style in ("colwise", "rowwise") for _, _, style in named):
         for field in _SPLIT_FIELDS:
             value = getattr(config, field, None)
@@ -445,18 +453,19 @@ def _check_plan(named: list, config, R: int, sequence_parallel: bool) -> None:
             if getattr(module, what) % R:
                 raise ValueError(f"{name}.{what}={getattr(module, what)} is not divisible by "
                                  f"the tensor-parallel size {R}")  # fmt: skip
-    if sequence_parallel:
-        plain = {"colwise", "rowwise", "replicated_with_grad_allreduce"}
-        if any(style not in plain for _, _, style in named):
-            raise NotImplementedError(
-                "sequence_parallel covers plans of colwise, rowwise and "
-                "replicated_with_grad_allreduce entries only (gathered outputs or split inputs "
-                "would need whole tokens)"
-            )
 
 
-def _sequence_parallel_hooks(base: nn.Module, attention: set, group, R: int, rank: int):
-    """The layout hooks of ``parallelize(sequence_parallel=True)`` (its docstring)."""
+def _check_sequence_parallel(base: nn.Module, named: list, attention: set) -> None:
+    """Raises unless ``parallelize(sequence_parallel=True)`` is exact on ``base`` (its
+    docstring): plain entries, the layers and final norm where expected, and nothing between
+    the split and the gather but sharded linears, attention and norms (token-wise)."""
+    plain = {"colwise", "rowwise", "replicated_with_grad_allreduce"}
+    if any(style not in plain for _, _, style in named):
+        raise NotImplementedError(
+            "sequence_parallel covers plans of colwise, rowwise and "
+            "replicated_with_grad_allreduce entries only (gathered outputs or split inputs "
+            "would need whole tokens)"
+        )
     layers, norm = getattr(base, "layers", None), getattr(base, "norm", None)
     if not isinstance(layers, nn.ModuleList) or not isinstance(norm, nn.Module) or not attention:
         raise NotImplementedError(
@@ -465,6 +474,21 @@ def _sequence_parallel_hooks(base: nn.Module, attention: set, group, R: int, ran
             "one. Recipe: split the tokens after the embedding, gather them before each "
             "attention and after the last norm, sequence first for the row layers"
         )
+    covered = {n for n, _, s in named if s in _STYLES} | attention
+    for name, module in layers.named_modules(prefix="layers"):
+        inside = any(name == c or name.startswith(c + ".") for c in covered)
+        if not inside and next(module.parameters(recurse=False), None) is not None \
+                and "Norm" not in type(module).__name__:  # fmt: skip
+            raise NotImplementedError(
+                f"sequence_parallel: {name} ({type(module).__name__}) would see this rank's "
+                "tokens only, and is not a norm; only norms, attention and the plan's linears "
+                "are known to be exact on token shards"
+            )
+
+
+def _sequence_parallel_hooks(base: nn.Module, attention: set, group, R: int, rank: int):
+    """The layout hooks of ``parallelize(sequence_parallel=True)`` (its docstring)."""
+    layers, norm = base.layers, base.norm
 
     def to_shards(x):  # [b, s, h] (replicated) -> this rank's [s / R, b, h]
         _split(x.shape[1], R, "the sequence length (sequence_parallel)")

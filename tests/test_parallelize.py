@@ -143,9 +143,19 @@ def _bad(rank: int, R: int) -> list[str]:
     _expect(failures, NotImplementedError, "not an nn.Linear", lambda: parallelize(model))
     model.config.base_model_tp_plan = {}
     _expect(failures, ValueError, "base_model_tp_plan is empty", lambda: parallelize(model))
+    model = _tiny("phi3", 0)
+    _expect(failures, NotImplementedError, "sequence_parallel covers",
+            lambda: parallelize(model, sequence_parallel=True))  # fmt: skip
+    model = _tiny("llama", 0)
+    model.config.base_model_tp_plan = {k: v for k, v in plan.items() if "self_attn" in k}
+    _expect(failures, NotImplementedError, "layers.0.mlp.gate_proj (Linear) would see",
+            lambda: parallelize(model, sequence_parallel=True))  # fmt: skip
+    if not isinstance(model.model.layers[0].self_attn.q_proj, nn.Linear):
+        failures.append("sequence_parallel: the model changed before the error")
     model = parallelize(_tiny("llama", 0), sequence_parallel=True)
     _expect(failures, ValueError, "sequence length",
             lambda: model(torch.zeros(1, 5, dtype=torch.long)))  # fmt: skip
+    _expect(failures, NotImplementedError, "parallelized already", lambda: parallelize(model))
     return failures
 
 
