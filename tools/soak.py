@@ -3,7 +3,7 @@
 too), dtypes, chunk counts and ops, every result checked against the
 plain torch path in fp32, memory tracked.
 
-    torchrun --nproc-per-node=2 tools/soak.py --seconds 90 --out bench_out/soak.json
+    torchrun --nproc-per-node=2 tools/soak.py --seconds 90
 
 Every rank draws the same case sequence (seeded), its own inputs. Validation mode is switched
 on for every other block of 250 calls. Prints a summary and writes JSON (rank 0).
