@@ -214,8 +214,8 @@ def bench_one(
     torch.cuda.synchronize()
     row["peak_mb_sequential"] = _peak_mb(seq)
     row["peak_mb_overlap"] = _peak_mb(ovl)  # torch's allocator: not the symmetric memory
-    if row["transport"] == "ce":  # the copy-engine transport's buffer, kept between calls
-        row["transport_buffer_mb"] = context(ovl_group, dev).nbytes / 2**20
+    # the transports' buffers kept between calls (the copy engines'; NCCL per chunk keeps none)
+    row["transport_buffer_mb"] = context(ovl_group, dev).nbytes / 2**20
     limit = max(row["gemm_cublas"], row["comm"])
     row["speedup"] = row["sequential"] / row["overlap"]
     hideable = row["sequential"] - limit

@@ -11,7 +11,7 @@ OUT.prof). The GPU sleeps between calls so that the host never waits for it and 
 host's own work is measured: each call alone after a barrier, and calls back to back in
 bursts of ``BURST`` (what a model issuing layer after layer pays). Calls repeat their
 arguments, so copy-engine calls replay their recorded graphs (``ops._recorded``);
-``--distinct`` lets the library keep one record (``ops.MAX_RECORDS = 1``) and alternates two
+``--distinct`` lets the library keep one record (``ops._record.MAX_RECORDS = 1``) and alternates two
 outputs, so every call is issued in full.
 
 ``--one-gpu``: both ranks on GPU 0 over gloo (a machine with one GPU; the overlapped call
@@ -97,12 +97,12 @@ def main() -> None:
         else:
             collective(args.collective).plain(x @ w, out, None)
 
-    import overlap.ops
+    import overlap.ops._record
 
     # --distinct: the library keeps one record and calls alternate two outputs, so each call
     # evicts the other's record and every call is a first sighting, issued in full
     if args.distinct:
-        overlap.ops.MAX_RECORDS = 1
+        overlap.ops._record.MAX_RECORDS = 1
     ring = itertools.cycle([out, torch.empty_like(out)] if args.distinct else [out])
 
     def ovl(o=None):

@@ -22,10 +22,8 @@ def measure(shape: str, collective: str, chunks: int | None, out: str, backend: 
     import triton
     import triton.language as tl
 
-    import overlap
     from overlap.collectives import collective as spec
-    from overlap.context import context
-    from overlap.ops import overlapped
+    from overlap.ops._engine import decide, overlapped
 
     @triton.jit
     def _stamp(ptr, i):
@@ -47,11 +45,10 @@ def measure(shape: str, collective: str, chunks: int | None, out: str, backend: 
     g = torch.Generator(device=dev).manual_seed(7 + dist.get_rank())
     x = torch.randn(M, K, device=dev, dtype=torch.bfloat16, generator=g)
     w = torch.randn(N, K, device=dev, dtype=torch.bfloat16, generator=g).t()
-    p = overlap.plan(x, w, collective, chunks=chunks, backend=backend)
+    p, ctx, cls = decide(x, w, collective, None, chunks, backend, False)
     assert p.path == "overlap", p.describe()
     out2 = torch.empty(spec(collective).result_shape((M, K), N, R), device=dev, dtype=x.dtype)
-    ctx = context(None, dev)
-    if p.transport == "ce":
+    if cls.sized:
         # No stamps: they are kernels on the communication stream, which the copy-engine
         # transport keeps free of SM work (the GEMM's waiting tiles could hold every SM).
         Trace.stamp = lambda self, i: None
@@ -62,7 +59,7 @@ def measure(shape: str, collective: str, chunks: int | None, out: str, backend: 
         dist.barrier()
         torch.cuda.synchronize()
         torch.cuda._sleep(2_000_000)  # the host queues the whole call first, as in the bench
-        overlapped(x, w, out2, p, None, ctx, False, trace)
+        overlapped(x, w, out2, p, None, ctx, cls, False, trace)
         torch.cuda.synchronize()
         runs.append(trace)
     trace = runs[-1]
