@@ -133,8 +133,7 @@ def test_blocked_plan_fused_epilogue(collective, R, rank, shape, specials, dtype
     (standard rows), this rank's block goes to ``out`` with every peer's pushed partial added
     (all-to-all: stored as is); every peer's flag set. ``specials``:
     NaN and Inf in x and w, this rank's block included: they must land where the product has
-    them, with the partials added to the rest. fp16 runs the persistent launch (3 programs in
-    the interpreter, each taking several tiles), fp32 one program per tile."""
+    them, with the partials added to the rest."""
     M, N, K = shape
     p = make_plan(
         M, N, K, world_size=R, collective=collective, dtype_bits=dtype.itemsize * 8,
