@@ -2,8 +2,8 @@
 of real models. Prints a table and writes JSON.
 
     python tools/gemm_sweep.py OUT.json [--suite bench|models|all] [--dtypes bf16,fp16]
-        [--layouts nk,kn] [--kernels ar,rs,ce,cel,cbar,cbrs,ce:128x256x64/8/3,ce@base]
-        [--configs "BM,BN,BK,W,S;..."] [--fp32] [--baseline matmul.py]
+        [--layouts nk,kn] [--kernels ar,rs,ce,cel,cbar,cbrs,ce:128x256x64/8/3,ce@main]
+        [--configs "BM,BN,BK,W,S;..."] [--fp32] [--baseline NAME=matmul.py ...]
 
 Kernels (each with the plan the library makes for it, world size = the shape's TP degree):
 
@@ -16,9 +16,9 @@ Kernels (each with the plan the library makes for it, world size = the shape's T
 - ``cbar``, ``cbrs``: cuBLAS per chunk into the slots of the ``ar`` and ``rs`` plans.
 
 A kernel named ``KIND:BMxBNxBK/W/S`` runs with that tile config (``--configs``: every kernel). A
-kernel name may end in ``@base``: the same kernel through ``--baseline``, a copy of another
-version's ``overlap/gemm/matmul.py`` (e.g. ``git show main:overlap/gemm/matmul.py``), for an A/B
-in one run.
+kernel name may end in ``@NAME``: the same kernel through ``--baseline NAME=PATH``, a copy of
+another version's ``overlap/gemm/matmul.py`` (e.g. ``git show main:overlap/gemm/matmul.py``, its
+``from ..`` imports made ``from overlap.``), for an A/B in one run.
 
 Shapes (``--suite``): ``bench``, the benchmark's four; ``models``, the q/k/v, o, gate+up and
 down projections of Llama-3-8B (hidden 4096, FFN 14336, 32 heads, 8 KV heads), Llama-3-70B
@@ -28,7 +28,8 @@ are ``[M, hidden] @ [hidden, out / TP]``, row-parallel ones (o, down) ``[M, in /
 hidden]``. Layouts: ``nk`` is ``w = weight.t()`` (nn.Linear), ``kn`` a row-major ``[K, N]``
 weight. Products under 2e11 FLOP, which the library runs on the plain path, get the 2-chunk plan
 that ``chunks=2`` forces (what the planner's rule gives them). Times:
-``triton.testing.do_bench`` medians (L2 flushed), the kernels and cuBLAS taking turns; each
+``triton.testing.do_bench`` medians (L2 flushed), the kernels and cuBLAS taking turns (every
+other turn in reverse order); each
 product checked against cuBLAS's and the counters against the plan. ``--configs`` replaces the
 library's tile config (a variant per config); ``--fp32``: fp32 inputs (the kernel's tf32x3
 against cuBLAS fp32)."""
@@ -50,7 +51,7 @@ import overlap.gemm
 from overlap.bench import kernel_alone
 from overlap.plan import MIN_OVERLAP_FLOPS, Tiles, make_plan
 
-_BASE = {}  # "matmul": the --baseline module
+_BASE = {}  # NAME: the --baseline module NAME
 
 BENCH = [(4096, 8192, 4096), (8192, 8192, 14336), (16384, 8192, 4096), (8192, 4096, 4096)]
 # name: (hidden, ffn, heads, kv_heads), head dim 128
@@ -120,12 +121,12 @@ def _cublas_chunks(x, w, plan, slots):
 
 
 @contextlib.contextmanager
-def _kernel_of(base: bool):
-    """``overlap.gemm.chunked_matmul`` replaced by the ``--baseline`` module's (``base``) while
-    ``kernel_alone`` binds it."""
+def _kernel_of(base: str):
+    """``overlap.gemm.chunked_matmul`` replaced by the ``--baseline`` module ``base``'s (if
+    not "") while ``kernel_alone`` binds it."""
     keep = overlap.gemm.chunked_matmul
     if base:
-        overlap.gemm.chunked_matmul = _BASE["matmul"].chunked_matmul
+        overlap.gemm.chunked_matmul = _BASE[base].chunked_matmul
     try:
         yield
     finally:
@@ -137,8 +138,8 @@ def _variant(kind, x, w, tp, dtype, tiles):
     against cuBLAS's ``y`` and whether its counters match the plan. Kinds: ``ar``, ``rs``
     (the kernel of the NCCL transport's plans), ``ce`` (the copy engines' fused epilogue),
     ``cel`` (``ce``'s plan, plain epilogue), ``cbar``, ``cbrs`` (cuBLAS per chunk into the
-    slots of the ``ar`` and ``rs`` plans); ``@base``: through the ``--baseline`` module."""
-    kind, base = kind.removesuffix("@base"), kind.endswith("@base")
+    slots of the ``ar`` and ``rs`` plans); ``@NAME``: through the ``--baseline`` module NAME."""
+    kind, _, base = kind.partition("@")
     M, K = x.shape
     N = w.shape[1]
     coll = "reduce_scatter" if kind.endswith("rs") else "all_reduce"
@@ -223,13 +224,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--kernels", default="ar,rs,ce")
     ap.add_argument("--configs", default="", help="BM,BN,BK,W,S;... (default: the library's)")
     ap.add_argument("--fp32", action="store_true", help="fp32 inputs (--dtypes fp32)")
-    ap.add_argument("--rounds", type=int, default=2, help="turns of every variant per shape")
-    ap.add_argument("--baseline", help="another matmul.py, for the kernels named NAME@base")
+    ap.add_argument("--rounds", type=int, default=4, help="turns of every variant per shape")
+    ap.add_argument("--baseline", action="append", default=[],
+                    help="NAME=PATH: another matmul.py, for kernels named KIND@NAME")  # fmt: skip
     a = ap.parse_args(argv)
-    if a.baseline:
-        spec = importlib.util.spec_from_file_location("gemm_baseline", a.baseline)
-        _BASE["matmul"] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(_BASE["matmul"])
+    for b in a.baseline:
+        name, path = b.split("=", 1)
+        spec = importlib.util.spec_from_file_location(f"gemm_{name}", path)
+        _BASE[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(_BASE[name])
     dtypes = ["fp32"] if a.fp32 else a.dtypes.split(",")
     configs = [Tiles(*(int(v) for v in c.split(","))) for c in a.configs.split(";") if c] or [None]
     kernels = a.kernels.split(",")
@@ -246,7 +249,10 @@ def main(argv: list[str] | None = None) -> None:
                 fns = {"cublas": lambda x=x, w=w, y=y: torch.matmul(x, w, out=y)}
                 checks, plans, regs = {}, {}, {}
                 for spec in kernels:
-                    kind, _, own = spec.partition(":")  # KIND:BMxBNxBK/W/S: its own config
+                    kind, _, own = spec.partition(":")  # KIND:BMxBNxBK/W/S[@NAME]: own config
+                    if "@" in own:
+                        own, base = own.split("@")
+                        kind += "@" + base
                     own = own.replace("/", "x").split("x") if own else None
                     for cfg in [Tiles(*(int(v) for v in own))] if own else configs:
                         name = kind if cfg is None else f"{kind}:{cfg.block_m}x{cfg.block_n}x" \
@@ -259,8 +265,10 @@ def main(argv: list[str] | None = None) -> None:
                         regs[name] = (k.n_regs, k.n_spills) if k is not None else None
                         fns[name], checks[name], plans[name] = launch, check, plan
                 times = {n: [] for n in fns}
-                for _ in range(a.rounds):
-                    for n, fn in fns.items():
+                for i in range(a.rounds):
+                    # every other round backwards: a kernel's place in the turn moved its time
+                    # by ~2-4% (the same kernel 2.4% apart, gemm_ce_s13_peers.json)
+                    for n, fn in list(fns.items())[:: 1 - 2 * (i % 2)]:
                         times[n].append(do_bench(fn, warmup=5, rep=20, return_mode="median"))
                 fns["cublas"]()
                 cub = statistics.median(times["cublas"])

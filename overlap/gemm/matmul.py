@@ -42,6 +42,8 @@ from ..plan import Plan
 # they are, into `out`). Kernel constants: the host passes their `.value`.
 W_POINTER, W_NK, W_KN = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 EPI_SLOTS, EPI_ADD, EPI_STORE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+PEER_STAGES = 2
+PREFETCH = False
 
 
 @triton.jit
@@ -67,13 +69,14 @@ def _load_ab(
 @triton.jit
 def _chunked_matmul_kernel(
     x_ref, w_ref, slots_ptr, counter_ptr, trace_ptr, bad_rows_ptr, bad_cols_ptr,
-    out_ptr, recv_ref, flags_ptr, rank, world, first_band, bands_per_block, out_row0,
-    M, N, K, stride_xm, stride_xk, stride_wk, stride_wn,
+    out_ptr, recv_ref, recv_ptr, flags_ptr, rank, world, first_band, bands_per_block,
+    out_row0, M, N, K, stride_xm, stride_xk, stride_wk, stride_wn,
     num_pid_m, tiles_per_band, run_rows_full, run_rows_last, n_bands, chunk_cols, scale,
     RUNS: tl.constexpr, X_DESC: tl.constexpr, W_MODE: tl.constexpr, P_DESC: tl.constexpr,
     EPILOGUE: tl.constexpr, HAS_SCALE: tl.constexpr, PRECISION: tl.constexpr,
     TRACE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
+    GROUP_M: tl.constexpr, BLOCK_R: tl.constexpr, PEER_STAGES: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):  # fmt: skip
     # One program per tile; program ids are the launch order, so chunks finish in order.
     pid = tl.program_id(axis=0)
@@ -119,6 +122,20 @@ def _chunked_matmul_kernel(
     if W_MODE == W_POINTER:
         w_ptrs += offs_k[:, None] * stride_wk + offs_wn.to(tl.int64)[None, :] * stride_wn
 
+    if PREFETCH:  # own tiles: the peers' partials into L2 while the K loop runs
+        if EPILOGUE == EPI_ADD:
+            if band_a // bands_per_block == rank:
+                brows = M // world
+                prow = tl.minimum(x_row0 - rank * brows + tl.arange(0, BLOCK_M), brows - 1)
+                es = recv_ptr.dtype.element_ty.primitive_bitwidth // 8
+                nb = tl.full([BLOCK_M], 0, tl.int32) + tl.minimum(BLOCK_N, N - n0) * es
+                for j in range(1, world):
+                    s = (rank + j) % world
+                    rp = recv_ptr + (s * brows + prow).to(tl.int64) * N + n0
+                    tl.inline_asm_elementwise(
+                        "cp.async.bulk.prefetch.L2.global [$1], $2;\n mov.b32 $0, 0;", "=r,l,r",
+                        [rp, nb], dtype=tl.int32, is_pure=False, pack=1,
+                    )  # fmt: skip
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         a, b = _load_ab(
@@ -160,19 +177,35 @@ def _chunked_matmul_kernel(
         block_rows = M // world
         brow = tl.cast(x_row0 - rank * block_rows + offs_i, tl.int64)  # rows in the block
         if EPILOGUE == EPI_ADD:
+            # Every peer's flag of this band at once (one vector atomic per poll), then the
+            # partials in a loop Triton pipelines: a wait and a load per peer in turn, each a
+            # round trip, cost the own tiles (the last waves) ~4% at TP 4-8 (main's kernel:
+            # 1.052-1.055x the blocked plan's time without the epilogue, gemm_ce_s13_levers).
             k = band_a % bands_per_block
+            offs_s = tl.arange(0, BLOCK_R)
+            peer = (offs_s < world) & (offs_s != rank)
+            flags = flags_ptr + offs_s * bands_per_block + k  # FlagLayout.kernel_index
+            while (
+                tl.min(
+                    tl.where(
+                        peer,
+                        tl.atomic_add(flags, 0, mask=peer, sem="acquire", scope="sys"),
+                        1,
+                    ),
+                    axis=0,
+                )
+                == 0
+            ):
+                pass
             block_elems = tl.cast(block_rows, tl.int64) * N
-            for s in range(0, world):
-                if s != rank:
-                    flag = flags_ptr + s * bands_per_block + k  # FlagLayout.kernel_index
-                    while tl.atomic_add(flag, 0, sem="acquire", scope="sys") == 0:
-                        pass
-                    if P_DESC:  # TMA: rows past the block are read, never stored
-                        part = recv_ref.load([s * block_rows + x_row0 - rank * block_rows, n0])
-                    else:
-                        ptrs = recv_ref + s * block_elems + brow[:, None] * N + offs_n[None, :]
-                        part = tl.load(ptrs, mask=mask, other=0.0)
-                    acc += part.to(tl.float32)
+            for j in tl.range(1, world, num_stages=PEER_STAGES):
+                s = (rank + j) % world
+                if P_DESC:  # TMA: rows past the block are read, never stored
+                    part = recv_ref.load([s * block_rows + x_row0 - rank * block_rows, n0])
+                else:
+                    ptrs = recv_ref + s * block_elems + brow[:, None] * N + offs_n[None, :]
+                    part = tl.load(ptrs, mask=mask, other=0.0)
+                acc += part.to(tl.float32)
         orow = (x_row0 - out_row0 + offs_i).to(tl.int64)
         out_offs = orow[:, None] * N + offs_n[None, :]
         tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
@@ -264,7 +297,7 @@ def chunked_matmul(
     n_tiles = plan.num_tile_rows * -(-N // t.block_n)  # triton.cdiv costs ~5 us on the host
     R = plan.world_size
     mode, p_desc = EPI_SLOTS.value, False
-    e_args = (counters, counters, counters, 0, R, 0, 1, 0)  # unused
+    e_args = (counters, counters, counters, counters, 0, R, 0, 1, 0)  # unused
     if epilogue is not None:
         if not plan.blocked:
             raise ValueError("an epilogue needs a blocked plan (make_plan(blocked=True))")
@@ -275,7 +308,7 @@ def chunked_matmul(
         if p_desc:  # the peers' partials through TMA
             recv = _descriptor(recv, [t.block_m, t.block_n])
         out_row0 = epilogue.rank * (M // R) if plan.spec.scatters else 0
-        e_args = (epilogue.out, recv, epilogue.flags, epilogue.rank, R,
+        e_args = (epilogue.out, recv, epilogue.recv, epilogue.flags, epilogue.rank, R,
                   first_band(epilogue.rank, R, b), b, out_row0)  # fmt: skip
     args = (
         x_ref, w_ref, slots, counters, trace if trace is not None else counters,
@@ -288,7 +321,8 @@ def chunked_matmul(
         RUNS=plan.runs, X_DESC=x_ref is not x, W_MODE=w_mode, P_DESC=p_desc, EPILOGUE=mode,
         HAS_SCALE=scale is not None, PRECISION="tf32x3" if tf32x3 else "tf32",
         TRACE=trace is not None, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
-        GROUP_M=plan.group_m,
+        GROUP_M=plan.group_m, BLOCK_R=1 << (R - 1).bit_length(), PEER_STAGES=PEER_STAGES,
+        PREFETCH=PREFETCH and p_desc and not knobs.runtime.interpret,
     )  # fmt: skip
     return _launch(n_tiles, args, consts, t.num_warps, t.num_stages)
 
