@@ -21,9 +21,10 @@ The main loop is a plain Triton tiled loop. What differs from a plain GEMM:
   tile's loads overlap this one's store, which goes in two halves so that 4 load stages fit
   in shared memory), then this rank's own tiles, whose fused epilogue (flag waits, partials)
   stays out of the flattened loop (in it the fused kernel ran ~1.5x slower). One H200, bf16,
-  ``weight.t()``, 56 model products >= 2e11 FLOP: with 128x256x64 tiles, 8 warps, 4 stages
-  0.980x the time of one program per 256x128 tile (median; faster on 51, worst 1.023x);
-  with 256x128x64 tiles 0.999x (``gemm_suite_s13_h200.json``).
+  ``weight.t()``, 56 model products >= 2e11 FLOP, against one program per 256x128 tile:
+  with 128x256x64 tiles, 8 warps, 4 stages 0.980x the time (median of two runs' medians;
+  faster on 48-51 of 56, worst 1.020-1.023x), with the plans' 256x128x64 tiles 0.999-1.000x
+  (``gemm_ce_s13_persistent.json``, ``gemm_suite_s13_final_h200.json``).
 - Host cost: after the first launch of a specialization the launcher is called directly
   (``_launch``): 38-45 us per launch instead of 57-72 through Triton's JIT (H200 host).
 
