@@ -60,6 +60,7 @@ GPU_ONLY = [  # (command, a part of the launch hint it must print)
     (["tools/model_bench.py", "--one-gpu"], "--cpu"),
     (["tools/exchange_bench.py", "--one-gpu"], "--cpu"),
     (["bash", "tools/gpu_run.sh", "suite"], "gpu_run.sh"),
+    (["tools/gemm_sweep.py", "out.json"], "tools/gemm_sweep.py OUT.json"),
 ]
 
 

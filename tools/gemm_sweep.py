@@ -41,6 +41,7 @@ import contextlib
 import importlib.util
 import json
 import statistics
+import sys
 import time
 
 import torch
@@ -228,6 +229,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--baseline", action="append", default=[],
                     help="NAME=PATH: another matmul.py, for kernels named KIND@NAME")  # fmt: skip
     a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("tools/gemm_sweep.py needs CUDA GPUs and this machine has none; on one that "
+                 "has: python tools/gemm_sweep.py OUT.json")  # fmt: skip
     for b in a.baseline:
         name, path = b.split("=", 1)
         spec = importlib.util.spec_from_file_location(f"gemm_{name}", path)
