@@ -13,7 +13,8 @@ GPU, with these stand-ins (``install``):
   mode puts every op that writes a tensor (an in-place op, ``out=``, ``__setitem__``, or an
   op that makes a new tensor, poisoned with NaN until its turn comes) on the current stream,
   and runs the rest (views, shapes, addresses) at once. ``kept`` tensors of a transport are
-  synchronous, as on a GPU;
+  synchronous, as on a GPU, and so is ``NcclTransport.order`` (host work on CPU tensors
+  there);
 - ``Driver``: the cuda-python calls of ``overlap.signal.wait`` (copies, stream memory waits
   and writes, batches of them, at most 255 per batch as the driver takes), per stream;
 - ``chunked_matmul``: a launch on the current stream; when the stream reaches it, the real
@@ -538,12 +539,17 @@ def install(monkeypatch) -> tuple[Sim, Kernels, Driver]:
 
     monkeypatch.setattr(overlap.gemm, "chunked_matmul", launch)
 
-    def kept(device, make):  # made in a thread of its own and synchronized there
-        sim.synchronous = True
-        try:
-            return make()
-        finally:
-            sim.synchronous = False
+    def synchronous(fn):
+        def run(*args, **kwargs):
+            sim.synchronous = True
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                sim.synchronous = False
 
-    monkeypatch.setattr(nccl, "kept", kept)
+        return run
+
+    # made in a thread of their own and synchronized there; host work on CPU tensors
+    monkeypatch.setattr(nccl, "kept", synchronous(lambda device, make: make()))
+    monkeypatch.setattr(nccl.NcclTransport, "order", synchronous(nccl.NcclTransport.order))
     return sim, kernels, driver

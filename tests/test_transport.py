@@ -75,18 +75,17 @@ def _reference(p, xs, ws, rank):
 
 
 def _calls(sim, R, ahead, issue, contexts, make, slow=None):
-    """Two calls on every rank issued through the call engine (``issue(r, ctx, inputs,
-    out)`` on rank r's caller stream), each followed by a copy of its result on the caller
-    stream; then every stream runs. Returns per call the inputs, results and copies."""
+    """Two calls on every rank issued through the call engine (``issue(r, ctx, *inputs)``
+    on rank r's caller stream, returning the result), each followed by a copy of its result
+    on the caller stream; then every stream runs. Returns per call the inputs, results and
+    copies."""
     calls = []
     for _ in range(2):  # two calls in flight on every rank
         inputs, outs, seen = make(), [], []
         for r, ctx in enumerate(contexts):
-            out = inputs[r][-1]
             with sim.issuing(sim.callers[r]):
-                issue(r, ctx, *inputs[r][:-1], out)
-                seen.append(out.clone())  # what the caller's next op reads
-            outs.append(out)
+                outs.append(issue(r, ctx, *inputs[r]))
+                seen.append(outs[-1].clone())  # what the caller's next op reads
         calls.append((inputs, outs, seen))
     sim.run(R, ahead, slow)
     return calls
@@ -94,7 +93,7 @@ def _calls(sim, R, ahead, issue, contexts, make, slow=None):
 
 def _check(outs, seen, ref, i, r, **tol):
     for what, got in (("result", outs[r]), ("result seen by the caller stream", seen[r])):
-        assert not torch.isnan(got).any(), f"call {i} rank {r}: unwritten rows in the {what}"
+        assert not bool(got.isnan().any()), f"call {i} rank {r}: unwritten rows in the {what}"
         torch.testing.assert_close(got.double(), ref, **tol, msg=lambda m: f"{what}: {m}")
 
 
@@ -128,6 +127,7 @@ def test_protocol_with_the_real_kernel(kind, collective, R, M, N, chunks, ahead,
 
     def issue(r, ctx, x, w, out):
         _engine.overlapped(x, w, out, p, None, ctx, type(ts[r]), False)
+        return out
 
     try:
         calls = _calls(sim, R, ahead, issue, contexts, make)
@@ -168,6 +168,7 @@ def test_all_gather_protocol(kind, R, m, chunks, ahead, monkeypatch):
 
     def issue(r, ctx, x, w, out):
         _engine._gathered(x, w, out, x.new_empty(0), p, ctx, type(ts[r]), False)
+        return out
 
     try:
         calls = _calls(sim, R, ahead, issue, contexts, make)
