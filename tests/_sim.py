@@ -521,6 +521,36 @@ class Sim:
         return True
 
 
+def two_calls(sim, R, ahead, issue, contexts, make, slow=None):
+    """Two calls on every rank issued through the call engine (``issue(r, ctx, *inputs)``
+    on rank r's caller stream, returning the result), each followed by a copy of its result
+    on the caller stream; then every stream runs. Returns per call the inputs, results and
+    copies."""
+    calls = []
+    for _ in range(2):  # two calls in flight on every rank
+        inputs, outs, seen = make(), [], []
+        for r, ctx in enumerate(contexts):
+            with sim.issuing(sim.callers[r]):
+                outs.append(issue(r, ctx, *inputs[r]))
+                seen.append(outs[-1].clone())  # what the caller's next op reads
+        calls.append((inputs, outs, seen))
+    sim.run(R, ahead, slow)
+    return calls
+
+
+def check(outs, seen, ref, i: int, r: int, **tol) -> None:
+    """Call ``i``'s result on rank ``r`` and the caller stream's copy of it against ``ref``."""
+    for what, got in (("result", outs[r]), ("result seen by the caller stream", seen[r])):
+        assert not bool(got.isnan().any()), f"call {i} rank {r}: unwritten rows in the {what}"
+        torch.testing.assert_close(got.double(), ref, **tol, msg=lambda m, w=what: f"{w}: {m}")
+
+
+def streams(sim: Sim, R: int) -> list[Stream]:
+    """Caller streams (``sim.callers``) and communication streams of ``R`` ranks."""
+    sim.callers = [Stream(sim, f"caller{r}") for r in range(R)]
+    return [Stream(sim, f"comm{r}") for r in range(R)]
+
+
 def install(monkeypatch) -> tuple[Sim, Kernels, Driver]:
     """A simulation with torch's CUDA streams and events, the driver, the GEMM's launch and
     ``kept`` tensors replaced (the module docstring)."""

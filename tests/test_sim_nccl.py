@@ -22,8 +22,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from _sim import Comm, Context, Group, Stream, install
-from test_transport import _calls, _check, _reference, _streams
+from _sim import Comm, Context, Group, check, install, streams, two_calls
+from test_transport import _reference
 
 from overlap.comm.nccl import TorchTransport
 from overlap.ops import _engine, bags, exchange
@@ -33,7 +33,7 @@ SCHEDULES = [(0, None), (1, "comm"), (None, "caller")]  # (ahead, slow)
 
 
 def _contexts(sim, R):
-    comms, group = _streams(sim, R), Group(R)
+    comms, group = streams(sim, R), Group(R)
     return [Context(TorchTransport(Comm(sim, group, r)), comms[r], r) for r in range(R)]
 
 
@@ -68,13 +68,13 @@ def test_nccl_per_chunk(collective, R, M, N, chunks, ahead, slow, monkeypatch):
         return out
 
     try:
-        calls = _calls(sim, R, ahead, issue, contexts, make, slow)
+        calls = two_calls(sim, R, ahead, issue, contexts, make, slow)
     finally:
         kernels.close()
     for i, (inputs, outs, seen) in enumerate(calls):
         xs, ws = [a[0] for a in inputs], [a[1] for a in inputs]
         for r in range(R):
-            _check(outs, seen, _reference(p, xs, ws, r), i, r, rtol=1e-5, atol=1e-4)
+            check(outs, seen, _reference(p, xs, ws, r), i, r, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize(("ahead", "slow"), SCHEDULES)
@@ -102,13 +102,13 @@ def test_nccl_all_gather_consumer(R, m, chunks, ahead, slow, monkeypatch):
         return out
 
     try:
-        calls = _calls(sim, R, ahead, issue, contexts, make, slow)
+        calls = two_calls(sim, R, ahead, issue, contexts, make, slow)
     finally:
         kernels.close()
     for i, (inputs, outs, seen) in enumerate(calls):
         full = torch.cat([a[0] for a in inputs]).double()
         for r in range(R):
-            _check(outs, seen, full @ inputs[r][1].double(), i, r, rtol=1e-5, atol=1e-5)
+            check(outs, seen, full @ inputs[r][1].double(), i, r, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(fulls[i * R + r].double(), full)
 
 
@@ -132,7 +132,7 @@ def _exchange(sim, R, ahead, slow, monkeypatch, issue, make):
         at[0] = r
         return issue(r, *args)
 
-    return _calls(sim, R, ahead, issue_at, contexts, make, slow)
+    return two_calls(sim, R, ahead, issue_at, contexts, make, slow)
 
 
 @pytest.mark.parametrize(("ahead", "slow"), SCHEDULES)
@@ -169,7 +169,7 @@ def test_uneven_exchange_events(direction, ahead, slow, monkeypatch):
                 x, w = inputs[s][0].double(), inputs[r if direction == "dispatch" else s][1]
                 lo = sum(sends[s][:r])
                 parts.append(x[lo : lo + sends[s][r]] @ w.double())
-            _check(outs, seen, torch.cat(parts), i, r, rtol=1e-5, atol=1e-5)
+            check(outs, seen, torch.cat(parts), i, r, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize(("ahead", "slow"), SCHEDULES)
@@ -210,4 +210,4 @@ def test_embedding_bags_events(ahead, slow, monkeypatch):
                                     for t, ix, o in zip(tables, indices, offsets, strict=True)],
                                    dim=1)  # fmt: skip
                 parts.append(pooled[r * b : (r + 1) * b])
-            _check(outs, seen, torch.cat(parts, dim=1), i, r, rtol=1e-5, atol=1e-5)
+            check(outs, seen, torch.cat(parts, dim=1), i, r, rtol=1e-5, atol=1e-5)

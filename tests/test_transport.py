@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _sim import Context, Stream, install
+from _sim import Context, Stream, check, install, streams, two_calls
 
 from overlap.collectives import COLLECTIVES
 from overlap.comm.host import HostTransport
@@ -74,34 +74,6 @@ def _reference(p, xs, ws, rank):
     return torch.cat([q[own] for q in prods])
 
 
-def _calls(sim, R, ahead, issue, contexts, make, slow=None):
-    """Two calls on every rank issued through the call engine (``issue(r, ctx, *inputs)``
-    on rank r's caller stream, returning the result), each followed by a copy of its result
-    on the caller stream; then every stream runs. Returns per call the inputs, results and
-    copies."""
-    calls = []
-    for _ in range(2):  # two calls in flight on every rank
-        inputs, outs, seen = make(), [], []
-        for r, ctx in enumerate(contexts):
-            with sim.issuing(sim.callers[r]):
-                outs.append(issue(r, ctx, *inputs[r]))
-                seen.append(outs[-1].clone())  # what the caller's next op reads
-        calls.append((inputs, outs, seen))
-    sim.run(R, ahead, slow)
-    return calls
-
-
-def _check(outs, seen, ref, i, r, **tol):
-    for what, got in (("result", outs[r]), ("result seen by the caller stream", seen[r])):
-        assert not bool(got.isnan().any()), f"call {i} rank {r}: unwritten rows in the {what}"
-        torch.testing.assert_close(got.double(), ref, **tol, msg=lambda m: f"{what}: {m}")
-
-
-def _streams(sim, R):
-    sim.callers = [Stream(sim, f"caller{r}") for r in range(R)]
-    return [Stream(sim, f"comm{r}") for r in range(R)]
-
-
 @pytest.mark.parametrize("kind", ["peer", "host"])
 @pytest.mark.parametrize("collective", COLLECTIVES)
 @pytest.mark.parametrize(
@@ -112,7 +84,7 @@ def test_protocol_with_the_real_kernel(kind, collective, R, M, N, chunks, ahead,
     sim, kernels, _ = install(monkeypatch)
     g = torch.Generator().manual_seed(R * 1000 + M + N)
     K = 16
-    comms = _streams(sim, R)
+    comms = streams(sim, R)
     ts = _transports(kind, R, sim)
     p = make_plan(M, N, K, world_size=R, collective=collective, dtype_bits=32, interpreter=True,
                   chunks=chunks, blocked=True, transport="ce")  # fmt: skip
@@ -130,13 +102,13 @@ def test_protocol_with_the_real_kernel(kind, collective, R, M, N, chunks, ahead,
         return out
 
     try:
-        calls = _calls(sim, R, ahead, issue, contexts, make)
+        calls = two_calls(sim, R, ahead, issue, contexts, make)
     finally:
         kernels.close()
     for i, (inputs, outs, seen) in enumerate(calls):
         xs, ws = [a[0] for a in inputs], [a[1] for a in inputs]
         for r in range(R):
-            _check(outs, seen, _reference(p, xs, ws, r), i, r, rtol=1e-5, atol=1e-4)
+            check(outs, seen, _reference(p, xs, ws, r), i, r, rtol=1e-5, atol=1e-4)
     # Stream memory operations go out in batches (each one graph node, which costs host time
     # at every replay): per stream at most one between two copies, and one at its end.
     copies = sum(op[0] == "copy" for ops in sim.ops.values() for op in ops)
@@ -155,7 +127,7 @@ def test_all_gather_protocol(kind, R, m, chunks, ahead, monkeypatch):
     sim, kernels, _ = install(monkeypatch)  # (no kernel runs: the consumer's are torch ops)
     g = torch.Generator().manual_seed(R * 100 + m)
     K, N, M = 24, 20, R * m
-    comms = _streams(sim, R)
+    comms = streams(sim, R)
     ts = _transports(kind, R, sim)
     p = make_plan(M, N, K, world_size=R, collective="all_gather", dtype_bits=32, interpreter=True,
                   chunks=chunks, blocked=True, transport="ce")  # fmt: skip
@@ -171,10 +143,10 @@ def test_all_gather_protocol(kind, R, m, chunks, ahead, monkeypatch):
         return out
 
     try:
-        calls = _calls(sim, R, ahead, issue, contexts, make)
+        calls = two_calls(sim, R, ahead, issue, contexts, make)
     finally:
         kernels.close()
     for i, (inputs, outs, seen) in enumerate(calls):
         full = torch.cat([a[0] for a in inputs]).double()
         for r in range(R):
-            _check(outs, seen, full @ inputs[r][1].double(), i, r, rtol=1e-5, atol=1e-5)
+            check(outs, seen, full @ inputs[r][1].double(), i, r, rtol=1e-5, atol=1e-5)
