@@ -66,6 +66,9 @@ class Stream:
         if event.at is not None:  # (an event never recorded is complete)
             self.sim.ops[self.cuda_stream].append(("after", *event.at))
 
+    def synchronize(self) -> None:  # every stream runs as far as it can (no kernel steps)
+        self.sim.run(0)
+
 
 class Event:
     """A CUDA event: the position of a stream when it was recorded."""
@@ -414,6 +417,7 @@ class Sim:
         self.current: Stream | None = None
         self.slow: str | None = None
         self.synchronous = False  # (``kept`` tensors)
+        self.done: dict[str, int] = {}  # ops run per stream
         self._async = _Async(self)
 
     def enqueue(self, fn) -> None:
@@ -442,7 +446,9 @@ class Sim:
         ``ahead``: up to 16, the others one), each step followed by the other streams
         running as far as their waits allow (``slow``: the module docstring)."""
         self.slow = slow
-        done = {n: 0 for n in self.ops}
+        done = self.done
+        for n in self.ops:
+            done.setdefault(n, 0)
         running: dict[str, str] = {}  # caller stream -> its kernel's thread name
         idle_rounds = 0
         while True:

@@ -23,14 +23,16 @@ against float64. A wait that is never met fails as a deadlock.
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
-from _sim import Context, Stream, check, install, streams, two_calls
+from _sim import MAX_BATCH, Context, Stream, check, install, streams, two_calls
 
 from overlap.collectives import COLLECTIVES
 from overlap.comm.host import HostTransport
 from overlap.comm.peer import PeerTransport, slot_bytes
-from overlap.contract import FLAGS_BYTES
+from overlap.contract import FLAGS_BYTES, SET
 from overlap.ops import _engine
 from overlap.plan import make_plan
 
@@ -150,3 +152,23 @@ def test_all_gather_protocol(kind, R, m, chunks, ahead, monkeypatch):
         full = torch.cat([a[0] for a in inputs]).double()
         for r in range(R):
             check(outs, seen, full @ inputs[r][1].double(), i, r, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["peer", "host"])
+def test_abort_sets_every_flag(kind, monkeypatch):
+    """``abort`` sets every flag this rank waits on (1,024 of them on the peer road, 2,048
+    on the host road: more than one ``cuStreamBatchMemOp`` takes, which the fake driver
+    refuses as the driver does) with stream memory writes on a side stream."""
+    sim, kernels, _ = install(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: Stream(sim, "side0"))
+    t = _transports(kind, 2, sim)[0]
+    flags = t._local_flags()
+    assert len(flags) > MAX_BATCH
+    try:
+        t.abort()
+    finally:
+        kernels.close()
+    assert t.broken
+    unset = [a for a in flags if ctypes.c_uint32.from_address(a).value != SET]
+    assert not unset, f"{len(unset)} of {len(flags)} flags not set"
+    assert sim.memop_calls == -(-len(flags) // MAX_BATCH)
