@@ -415,6 +415,7 @@ class Sim:
         self.kernels = kernels
         self.memop_calls = 0  # driver calls that issue stream memory operations
         self.current: Stream | None = None
+        self.callers: list[Stream] = []  # rank r's caller stream (``streams``)
         self.slow: str | None = None
         self.synchronous = False  # (``kept`` tensors)
         self.done: dict[str, int] = {}  # ops run per stream
