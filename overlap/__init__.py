@@ -7,7 +7,7 @@ Layers (each knows only those below it): ``plan`` and ``collectives`` (pure Pyth
 ``contract`` (what kernel and copy-engine transports agree on), ``signal`` (counters, stream
 waits), ``gemm`` (Triton kernels), ``comm`` (transports, no Triton), ``context`` (per group,
 device and stream state), ``ops`` (the public calls), ``nn`` (tensor-parallel layers),
-``tuner`` and ``bench`` on top.
+``tuner`` and ``bench`` on top; ``stats`` counts the paths the calls took.
 """
 
 from . import nn
@@ -25,7 +25,8 @@ from .ops import (
     matmul_reduce_scatter,
     plan,
 )
-from .plan import Plan
+from .plan import Plan, SplitPlan
+from .stats import stats
 from .tuner import Tuned, tune
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "OPS",
     "Plan",
     "RankMismatchError",
+    "SplitPlan",
     "Tuned",
     "all_gather_matmul",
     "all_to_all_grouped_matmul",
@@ -46,6 +48,7 @@ __all__ = [
     "nn",
     "plan",
     "release",
+    "stats",
     "tune",
 ]
 __version__ = "0.1.0"

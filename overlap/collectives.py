@@ -84,11 +84,11 @@ class Collective:
         import torch.distributed as dist
 
         if self.before:
-            dist.all_gather_into_tensor(out, y, group=group)
+            all_gather(out, y, group)
         elif self.replicated:
             dist.all_reduce(y, group=group)
         elif self.reduces:
-            dist.reduce_scatter_tensor(out, y, group=group)
+            reduce_scatter(out, y, group)
         else:
             dist.all_to_all_single(out, y, group=group)
 
@@ -116,6 +116,24 @@ class Collective:
         gp = g.new_empty(sum(sends), g.shape[1])
         dist.all_to_all_single(gp, g, list(sends), list(receives), group=group)
         return gp
+
+
+def all_gather(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    """``out`` (``R n``, contiguous) = every rank's ``inp`` (``n``), in rank order: torch's
+    ``all_gather_single`` where it exists (2.13 deprecates ``all_gather_into_tensor`` with a
+    FutureWarning; the GPU image's 2.11 has only the old name)."""
+    import torch.distributed as dist
+
+    getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(out, inp, group=group)
+
+
+def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    """``out`` (``n``) = this rank's ``n`` elements of the sum of ``inp`` (``R n``):
+    ``reduce_scatter_single`` where it exists, else ``reduce_scatter_tensor`` (as
+    ``all_gather``)."""
+    import torch.distributed as dist
+
+    getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(out, inp, group=group)
 
 
 _TABLE = {

@@ -4,19 +4,15 @@
 
 - the communication stream (high priority), made once;
 - the chunk counters, which every call zeroes before its GEMM counts into them;
-- the transports the calls of this stream used, by name (``transport``).
+- the transports the calls of this stream used, by class (``transport``; made by
+  ``comm.make``).
 
-Per (group, device), also kept here and shared by the contexts of every stream, since a CUDA
-graph captures on a stream of its own and neither can be made during a capture: the
-communicators (one per backend) and the copy-engine transport, whose buffers an eager call
-sizes (a captured call that would need bigger ones takes NCCL, ``ops._plan_for``). Calls of
-two streams through that transport would write the same buffers, so an eager call on another
-stream than the last one first waits for that stream (``transport``); captured calls cannot
-wait on eager work, so a graph's replays must not run beside the group's calls on other
-streams. Also per (group, device): the copy engines' road (``comm.route``, a collective asked
-on the first call of the group on a CUDA device outside graph capture, whatever its backend
-and path, so that every rank asks at the same call). Per group: the chunk counts
-``overlap.tune`` chose (``tuned``).
+A ``sized`` transport (the copy engines) is one per (group, device), shared by the contexts
+of every stream (``comm.make``): calls of two streams would write the same buffers, so an
+eager call on another stream than the last one first waits for that stream (``transport``);
+captured calls cannot wait on eager work, so a graph's replays must not run beside the
+group's calls on other streams. Per group: the chunk counts ``overlap.tune`` chose
+(``tuned``).
 
 Lifetime: until ``release(group)``, which every rank of the group calls at the same point of
 the program with no call of the group in flight; it waits for the device, frees the
@@ -33,7 +29,8 @@ from collections import OrderedDict
 import torch
 import torch.distributed as dist
 
-from .comm import HostTransport, NcclTransport, PeerTransport, Transport, kept, make_comm, route
+from . import comm
+from .comm import Transport, kept
 from .guard import group_name
 from .plan import MAX_CHUNKS, Plan
 from .signal import current_raw_stream
@@ -53,9 +50,9 @@ class Context:
             self.caller = torch.cuda.current_stream(device)
             _, highest = torch.cuda.Stream.priority_range()
             self.comm_stream = torch.cuda.Stream(device, priority=highest)
-        self._transports: dict[str, Transport] = {}
+        self._transports: dict[type, Transport] = {}
         self._counters: torch.Tensor | None = None
-        # where this stream's copy-engine calls are captured into CUDA graphs (ops._recorded)
+        # where this stream's recorded calls are captured into CUDA graphs (ops/_record.py)
         self.record_stream: torch.cuda.Stream | None = None
 
     @property
@@ -67,45 +64,14 @@ class Context:
                                                                    device=self.device))  # fmt: skip
         return self._counters
 
-    def road(self, capturing: bool = False) -> str | None:
-        """``comm.route``'s answer for this group and device: a collective the first time
-        (while ``capturing``, which cannot ask: the answer known, or None)."""
-        key = (self.group, str(self.device))
-        if key not in _roads:
-            if capturing:
-                return None
-            _roads[key] = route(self.group, self.device)
-        return _roads[key]
-
-    @staticmethod
-    def blocked(name: str) -> bool:
-        """Whether transport ``name`` runs blocked plans (without making it)."""
-        return (PeerTransport if name == "ce" else NcclTransport).blocked
-
-    def captures(self, p: Plan, dtype: torch.dtype) -> bool:
-        """Whether a call of plan ``p`` (copy engines) can be captured in a CUDA graph now:
-        the group's copy-engine transport exists and its buffers fit ``p``."""
-        t = _engines.get((self.group, str(self.device)))
-        return t is not None and t.fits(p, dtype)
-
-    def transport(self, name: str, capturing: bool = False) -> Transport:
-        """The transport ``name`` ("torch", "cupy" or "ce") of this context. For "ce", the
-        group's, and (not ``capturing``) this stream waits for the one that used it last."""
-        t = self._transports.get(name)
+    def transport(self, cls: type[Transport], capturing: bool = False) -> Transport:
+        """This context's transport of class ``cls`` (``comm.make``). For a ``sized`` one,
+        shared by the group's streams, this stream (not ``capturing``) first waits for the
+        stream that used it last."""
+        t = self._transports.get(cls)
         if t is None:
-            if name == "ce":
-                key = (self.group, str(self.device))
-                if key not in _engines:
-                    cls = PeerTransport if self.road() == "peer" else HostTransport
-                    _engines[key] = cls(self.group, self.device)
-                t = _engines[key]
-            else:
-                key = (self.group, str(self.device), name)
-                if key not in _comms:
-                    _comms[key] = make_comm(name, self.group)
-                t = NcclTransport(_comms[key])
-            self._transports[name] = t
-        if name == "ce" and not capturing:
+            t = self._transports[cls] = comm.make(cls, self.group, self.device)
+        if cls.sized and not capturing:
             last = _users.get(t)
             if last is not None and last is not self:
                 self.caller.wait_stream(last.caller)  # its calls are done with the buffers
@@ -125,16 +91,13 @@ class Context:
 
 
 _contexts: dict[tuple, Context] = {}  # (group, device, caller stream handle) -> Context
-_comms: dict[tuple, object] = {}  # (group, device, backend) -> communicator
-_roads: dict[tuple, str | None] = {}  # (group, device) -> comm.route's answer
-_engines: dict[tuple, Transport] = {}  # (group, device) -> the copy-engine transport
-_users: dict[Transport, Context] = {}  # copy-engine transport -> the context that used it last
+_users: dict[Transport, Context] = {}  # sized transport -> the context that used it last
 _tuned: dict[tuple, int | str] = {}  # (group name, M, N, K, dtype, collective) -> overlap.tune's
-# Plans of eager calls by signature (ops._plan_for): a plan depends on the signature, the road
+# Plans of eager calls by signature (ops/_engine.py): a plan depends on the signature, the road
 # and the tuned choices, so it is forgotten when either changes.
 plans: dict[tuple, Plan] = {}
-# Recorded eager copy-engine calls (ops._recorded), least recent first: (call signature,
-# outputs) -> ops.Record; and each recorded signature's output shapes, so that a repeated call
+# Recorded eager calls (ops/_record.py), least recent first: (call signature, outputs) ->
+# Record; and each recorded signature's output shapes, so that a repeated call
 # can make its outputs and find its record without planning. Forgotten with the plans (the
 # graphs hold the transports' addresses).
 records: OrderedDict[tuple, object] = OrderedDict()
@@ -201,11 +164,8 @@ def release(group: dist.ProcessGroup | None = None) -> None:
     forget()  # (before the buffers the recorded graphs use are freed)
     for k in mine:
         _contexts.pop(k).close()
-    for k in [k for k in _engines if k[0] is group]:
-        _users.pop(_engines.pop(k), None)
-    for store in (_comms, _roads):
-        for k in [k for k in store if k[0] is group]:
-            del store[k]
+    for t in comm.forget(group):
+        _users.pop(t, None)
     name = group_name(group) if dist.is_initialized() else None
     for k in [k for k in _tuned if k[0] == name]:
         del _tuned[k]

@@ -103,8 +103,7 @@ class Plan:
     tiles_per_chunk: tuple[int, ...] = field(default=())
     blocked: bool = False  # rank-block layout of the copy-engine transports (make_plan)
     transport: str = ""
-    # uneven all-to-all (make_split_plan): rows this rank sends to / receives from each rank
-    splits: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+    splits = None  # (an uneven exchange's plan is a SplitPlan)
     # Derived sizes are cached properties: every launch reads them (host time per call).
 
     @functools.cached_property
@@ -210,10 +209,6 @@ class Plan:
 
     def describe(self) -> str:
         """One line: the path, the transport, the chunks and tiles, and why."""
-        if self.splits is not None:
-            return (f"{self.collective} {self.M}x{self.N}x{self.K} on {self.world_size} ranks "
-                    f"through {self.transport}, sending {list(self.splits[0])} and receiving "
-                    f"{list(self.splits[1])} rows; {self.reason}")  # fmt: skip
         if self.path != "overlap":
             return f"{self.collective} {self.M}x{self.N}x{self.K}: fallback ({self.reason})"
         t = self.tiles
@@ -334,6 +329,40 @@ def make_plan(
 DEFAULT_SPLIT_CHUNKS = 4
 
 
+@dataclass(frozen=True)
+class SplitPlan:
+    """The plan of an uneven exchange (an all-to-all with split sizes: the MoE ops, the
+    embedding bags): this rank sends ``splits[0][j]`` rows (consecutive, in rank order) of
+    ``[M, K] @ [K, N]`` to rank ``j`` and receives ``splits[1][s]`` from rank ``s``; chunk
+    ``c`` is band ``c`` of every rank's block (``band_rows``). Always overlapped."""
+
+    collective: str
+    M: int  # this rank's rows: the ranks' M differ
+    N: int
+    K: int
+    world_size: int
+    n_chunks: int
+    splits: tuple[tuple[int, ...], tuple[int, ...]]
+    transport: str
+    path: str = "overlap"
+    blocked: bool = False
+    tiles = None
+
+    @property
+    def reason(self) -> str:
+        return f"uneven splits: {self.n_chunks} chunks, band c of every rank's block in chunk c"
+
+    @property
+    def tiles_per_chunk(self) -> tuple[int, ...]:
+        return (0,) * self.n_chunks  # (no kernel: cuBLAS per band)
+
+    def describe(self) -> str:
+        """One line: the exchange, the transport, the splits."""
+        return (f"{self.collective} {self.M}x{self.N}x{self.K} on {self.world_size} ranks "
+                f"through {self.transport}, sending {list(self.splits[0])} and receiving "
+                f"{list(self.splits[1])} rows; {self.reason}")  # fmt: skip
+
+
 def make_split_plan(
     in_splits: tuple[int, ...],
     out_splits: tuple[int, ...],
@@ -342,19 +371,15 @@ def make_split_plan(
     *,
     chunks: int | None,
     transport: str,
-) -> Plan:
-    """The plan of an all-to-all with uneven splits after ``[M, K] @ [K, N]``: this rank sends
-    ``in_splits[j]`` rows (consecutive, in rank order) to rank ``j`` and receives
-    ``out_splits[s]`` from rank ``s``. Chunk ``c`` is band ``c`` of every rank's block
-    (``split_bands``). The ranks' ``M`` differ, so nothing may depend on it: ``chunks``
-    (default ``DEFAULT_SPLIT_CHUNKS``) chunks, always overlapped (``M`` is this rank's)."""
+) -> SplitPlan:
+    """The plan of an all-to-all with uneven splits after ``[M, K] @ [K, N]`` (``SplitPlan``).
+    The ranks' ``M`` differ, so nothing may depend on it: ``chunks`` (default
+    ``DEFAULT_SPLIT_CHUNKS``) chunks (``M`` is this rank's)."""
     if chunks is not None and not 2 <= chunks <= MAX_CHUNKS:
         raise ValueError(f"chunks must be in [2, {MAX_CHUNKS}], got {chunks}")
-    n = chunks or DEFAULT_SPLIT_CHUNKS
-    R = len(in_splits)
-    return Plan("overlap", f"uneven splits: {n} chunks, band c of every rank's block in chunk c",
-                "all_to_all", sum(in_splits), N, K, R, tiles_per_chunk=(0,) * n,
-                transport=transport, splits=(tuple(in_splits), tuple(out_splits)))  # fmt: skip
+    return SplitPlan("all_to_all", sum(in_splits), N, K, len(in_splits),
+                     chunks or DEFAULT_SPLIT_CHUNKS, (tuple(in_splits), tuple(out_splits)),
+                     transport)  # fmt: skip
 
 
 @functools.lru_cache(maxsize=256)

@@ -36,7 +36,8 @@ import torch
 import torch.distributed as dist
 
 from .context import set_tuned, tuned_key
-from .ops import _capturing, _check, all_gather_matmul, matmul_collective
+from .ops import all_gather_matmul, matmul_collective
+from .ops._engine import capturing, check_operands
 from .plan import MAX_CHUNKS
 
 _TRANSPORT_VARS = ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "NCCL_P2P_LEVEL", "NCCL_NET")
@@ -151,8 +152,8 @@ def tune(
             ``iters`` < 1, or arguments ``matmul_collective`` refuses.
         RuntimeError: called while the current CUDA stream is being captured.
     """
-    before = _check(x, w, collective, "sum", "torch", group).before
-    if _capturing(x):
+    before = check_operands(x, w, collective, "sum", "torch", group).before
+    if capturing(x):
         raise RuntimeError("overlap.tune times calls: run it before CUDA-graph capture")
     if not candidates or iters < 1:
         raise ValueError("tune needs at least one candidate and iters >= 1")

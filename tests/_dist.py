@@ -311,8 +311,7 @@ def fault_scenarios(rank: int, R: int, scenario: str, device: str) -> list[str]:
         overlap.configure(validate=validate, timeout=5)
         if rank == 1 and backend == "torch":
             calls = [0]
-            name = "all_gather_into_tensor" if gather else "all_to_all_single" if split \
-                else "all_reduce"  # fmt: skip
+            name = _ALL_GATHER if gather else "all_to_all_single" if split else "all_reduce"
             orig = getattr(dist, name)
 
             def dying(*a, **k):
@@ -372,10 +371,19 @@ def fault_scenarios(rank: int, R: int, scenario: str, device: str) -> list[str]:
 fault_scenarios.no_teardown = True
 
 
+# the names overlap.collectives calls: torch 2.13's, or the GPU image's 2.11 ones
+_ALL_GATHER = (
+    "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+)
+_REDUCE_SCATTER = (
+    "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+)
+
+
 def count_collectives() -> dict:
     """Wrap torch.distributed's collectives in this process to count calls."""
     counts: dict = {}
-    for fname in ("all_reduce", "reduce_scatter_tensor", "all_to_all", "all_to_all_single"):
+    for fname in ("all_reduce", _REDUCE_SCATTER, "all_to_all", "all_to_all_single"):
         orig = getattr(dist, fname)
         counts[fname] = 0
 

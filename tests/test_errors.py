@@ -86,12 +86,10 @@ def test_bad_group():
 def test_backend_choice_without_a_gpu():
     """The copy-engine transport needs CUDA tensors: on CPU "auto" and "ce" take the group's
     own collectives, and the plan names the transport it runs."""
-    from overlap.ops import _plan_for
-
     x, w = torch.randn(128, 16), torch.randn(16, 64)
     with _two_rank_world():
         for backend in ("auto", "ce", "torch"):
-            p, _ = _plan_for(x, w, "reduce_scatter", None, 2, backend, False)
+            p = overlap.plan(x, w, "reduce_scatter", chunks=2, backend=backend)
             assert p.transport == "torch" and not p.blocked, (backend, p)
         overlap.release()
 
@@ -120,20 +118,24 @@ def test_transport_choice_by_road():
     through host memory for 2 ranks only (measured slower than sequential at 4); "ce" takes
     any road and raises without one; column-band plans (decode-sized M), M not divisible by R,
     CPU calls and graph capture go to NCCL; "torch" and "cupy" are taken as asked."""
-    from overlap.comm import choose
+    from overlap.comm import HostTransport, PeerTransport, TorchTransport, select
+    from overlap.comm.nccl import CupyTransport
 
     for R in (2, 4):
         kw = dict(eligible=True, world_size=R, rows_split=True, rows_divisible=True)
-        assert choose("auto", "peer", **kw) == "ce"
-        assert choose("ce", "host", **kw) == "ce"
-        assert choose("auto", None, **kw) == "torch"
-        assert choose("ce", None, **{**kw, "eligible": False}) == "torch"  # CPU or capture
-        assert choose("cupy", "peer", **kw) == "cupy"
+        assert select("auto", "peer", **kw) is PeerTransport
+        assert select("ce", "host", **kw) is HostTransport
+        assert select("auto", None, **kw) is TorchTransport
+        assert select("ce", None, **{**kw, "eligible": False}) is TorchTransport  # CPU
+        assert select("cupy", "peer", **kw) is CupyTransport
         with pytest.raises(ValueError, match="one host"):
-            choose("ce", None, **kw)
+            select("ce", None, **kw)
         for bad in (dict(rows_split=False), dict(rows_divisible=False), dict(eligible=False)):
-            assert choose("auto", "peer", **{**kw, **bad}) == "torch"
-            assert choose("ce", "peer", **{**kw, **bad}) == "torch"
+            assert select("auto", "peer", **{**kw, **bad}) is TorchTransport
+            assert select("ce", "peer", **{**kw, **bad}) is TorchTransport
+        # a capture: the copy engines only where an eager call sized their buffers
+        assert select("ce", "peer", **kw, fits=lambda cls: False) is TorchTransport
+        assert select("ce", "peer", **kw, fits=lambda cls: True) is PeerTransport
     two = dict(eligible=True, rows_split=True, rows_divisible=True)
-    assert choose("auto", "host", world_size=2, **two) == "ce"
-    assert choose("auto", "host", world_size=4, **two) == "torch"
+    assert select("auto", "host", world_size=2, **two) is HostTransport
+    assert select("auto", "host", world_size=4, **two) is TorchTransport

@@ -48,16 +48,16 @@ def test_nan_inf_end_to_end():
 def _capture_branch(rank, R, seed):
     """The branch taken under CUDA-graph capture (forced here on CPU), calls of every
     collective between eager ones. Replays of real graphs run in test_gpu.py."""
-    import overlap.ops as ops
+    import overlap.ops._engine as engine
 
-    real, ops._capturing = ops._capturing, lambda t: True
+    real, engine.capturing = engine.capturing, lambda t: True
     failures = []
     try:
         for i, coll in enumerate(("all_reduce", "reduce_scatter", "all_to_all") * 2):
             msg = check_case(rank, R, "cpu", coll, torch.float32, (64, 40, 48), seed + i, chunks=3)
             failures += [msg] if msg else []
     finally:
-        ops._capturing = real
+        engine.capturing = real
     msg = check_case(rank, R, "cpu", "all_reduce", torch.float32, (64, 40, 48), seed, chunks=3)
     return failures + ([msg] if msg else [])
 

@@ -107,6 +107,6 @@ def test_tune_rejects_bad_candidates():
 def test_tune_refuses_graph_capture(monkeypatch):
     import overlap.tuner as tuner
 
-    monkeypatch.setattr(tuner, "_capturing", lambda t: True)
+    monkeypatch.setattr(tuner, "capturing", lambda t: True)
     with pytest.raises(RuntimeError, match="CUDA-graph capture"):
         overlap.tune(torch.randn(8, 4), torch.randn(4, 8), candidates=(2,))

@@ -1,21 +1,29 @@
-"""Transports: one protocol (``transport.Transport``), NCCL per chunk (``nccl.py``) and the
-copy engines (``peer.py`` GPU to GPU, ``host.py`` through host memory). No Triton here."""
+"""Transports: one protocol (``transport.Transport``, with the capabilities each declares),
+NCCL per chunk (``nccl.py``) and the copy engines (``peer.py`` GPU to GPU, ``host.py`` through
+host memory), chosen and made in one place (``choice.py``). No Triton here."""
 
+from .choice import BACKENDS, forget, make, road, select, select_uneven, shared
 from .host import HostTransport
-from .nccl import CupyComm, NcclTransport, TorchComm, make_comm
+from .nccl import CupyComm, CupyTransport, NcclTransport, TorchComm, TorchTransport
 from .peer import PeerTransport, route
-from .transport import BACKENDS, Transport, choose, kept
+from .transport import Transport, kept
 
 __all__ = [
     "BACKENDS",
     "CupyComm",
+    "CupyTransport",
     "HostTransport",
     "NcclTransport",
     "PeerTransport",
     "TorchComm",
+    "TorchTransport",
     "Transport",
-    "choose",
+    "forget",
     "kept",
-    "make_comm",
+    "make",
+    "road",
     "route",
+    "select",
+    "select_uneven",
+    "shared",
 ]

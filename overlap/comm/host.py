@@ -34,7 +34,7 @@ import torch.distributed as dist
 from ..contract import FLAGS_BYTES, kernel_flags_start
 from ..plan import Plan
 from ..signal.wait import StreamOps, _driver, check
-from .peer import PeerTransport, receive_slots, slot_bytes
+from .peer import PeerTransport, need_bytes, receive_slots, slot_bytes
 from .transport import kept
 
 _DEVICEMAP_PORTABLE = 0x02 | 0x01  # CU_MEMHOSTREGISTER_DEVICEMAP | _PORTABLE
@@ -43,6 +43,7 @@ _DEVICEMAP_PORTABLE = 0x02 | 0x01  # CU_MEMHOSTREGISTER_DEVICEMAP | _PORTABLE
 class HostTransport(PeerTransport):
     """``PeerTransport`` whose buffers live in pinned shared host memory; one per context."""
 
+    road = "host"
     a2a_in_place = False  # received bands land in `out` on another stream: no scratch there
 
     def __init__(self, group: dist.ProcessGroup | None, device: torch.device) -> None:
@@ -114,11 +115,10 @@ class HostTransport(PeerTransport):
             self.mapping = None
             mm.close()
 
-    def fits(self, p: Plan, dtype: torch.dtype) -> bool:
-        """Whether a call of plan ``p`` needs no bigger host or device buffers."""
-        es = dtype.itemsize
-        need = p.M * p.K * es if p.spec.before else slot_bytes(p, dtype)
-        device = p.M * (p.K if p.spec.before else p.N) * es
+    def fits(self, M: int, N: int, K: int, spec, dtype: torch.dtype) -> bool:
+        """Whether the call needs no bigger host or device buffers."""
+        need = need_bytes(M, N, K, spec, dtype)
+        device = M * (K if spec.before else N) * dtype.itemsize
         return (self.mapping is not None and self.region >= FLAGS_BYTES + need
                 and self.recv is not None and self.recv.numel() >= device)  # fmt: skip
 

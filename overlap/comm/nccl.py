@@ -36,6 +36,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from ..collectives import all_gather, reduce_scatter
 from ..plan import Plan, band_rows
 from ..signal import current_raw_stream
 from .transport import Transport, kept
@@ -43,8 +44,6 @@ from .transport import Transport, kept
 
 class TorchComm:
     """Collectives through a ``torch.distributed`` process group."""
-
-    name = "torch"
 
     def __init__(self, group: dist.ProcessGroup | None) -> None:
         self.group = group
@@ -57,7 +56,7 @@ class TorchComm:
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         """``out`` (``n``) = this rank's ``n`` elements of the sum of ``inp`` (``R * n``)."""
-        dist.reduce_scatter_tensor(out, inp, group=self.group)
+        reduce_scatter(out, inp, self.group)
 
     def all_to_all(self, outs: list[torch.Tensor], ins: list[torch.Tensor]) -> None:
         """Send ``ins[j]`` to rank ``j``; receive rank ``j``'s piece into ``outs[j]`` (1-D
@@ -74,7 +73,7 @@ class TorchComm:
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         """``out`` (``R * n``, contiguous) = every rank's ``inp`` (``n``), in rank order."""
-        dist.all_gather_into_tensor(out, inp, group=self.group)
+        all_gather(out, inp, self.group)
 
     def all_to_all_v(self, out, inp, out_rows: list[int], in_rows: list[int]) -> None:
         """``inp``'s consecutive blocks of ``in_rows[j]`` rows to rank ``j``; rank ``s``'s block
@@ -94,10 +93,13 @@ _NCCL_SUM = 0
 class CupyComm:
     """Collectives through a direct NCCL communicator (``cupy.cuda.nccl``)."""
 
-    name = "cupy"
-
     def __init__(self, group: dist.ProcessGroup | None) -> None:
-        from cupy.cuda import nccl  # optional dependency: imported only when asked for
+        try:
+            from cupy.cuda import nccl  # optional dependency: imported only when asked for
+        except ImportError as e:
+            raise ImportError(
+                "backend='cupy' needs CuPy: pip install 'overlap[cupy]' (or use backend='torch')"
+            ) from e
 
         self._nccl = nccl
         rank, size = dist.get_rank(group), dist.get_world_size(group)
@@ -150,18 +152,17 @@ class CupyComm:
         self.comm.abort()
 
 
-def make_comm(backend: str, group: dist.ProcessGroup | None) -> TorchComm | CupyComm:
-    """A communicator for ``group`` through ``backend`` ("torch" or "cupy")."""
-    return TorchComm(group) if backend == "torch" else CupyComm(group)
-
-
 class NcclTransport(Transport):
-    """One collective per chunk through ``comm`` (a ``TorchComm`` or ``CupyComm``, shared by
-    every context of its group and device: a CUDA graph captures on a stream of its own, and
-    a communicator cannot be made during capture)."""
+    """One collective per chunk through a communicator (``comm_type``: ``TorchComm`` or
+    ``CupyComm``), made once per (group, device) and shared by every context of them (a CUDA
+    graph captures on a stream of its own, and a communicator cannot be made during
+    capture); a transport per context (its events are its stream's)."""
+
+    comm_type: type = TorchComm
+    uneven = True
 
     def __init__(self, comm: TorchComm | CupyComm) -> None:
-        self.comm, self.name = comm, comm.name
+        self.comm = comm
         self._events: list[torch.cuda.Event] = []  # one per chunk (`events`)
         self._orders: dict[tuple, torch.Tensor] = {}  # run_splits' row orders
 
@@ -239,9 +240,7 @@ class NcclTransport(Transport):
                 mark(c)
 
     def order(self, splits: tuple[int, ...], n: int, device, to_slots: bool) -> torch.Tensor:
-        """Row indices between the standard layout of blocks of ``splits`` rows and its
-        slot layout (``band_rows(splits, n)``): ``standard = slots[order]``, or with
-        ``to_slots`` ``slots = standard[order]`` (made once per splits and device)."""
+        """``Transport.order``, made once per splits and device."""
         key = (splits, n, str(device), to_slots)
         if key not in self._orders:
             if len(self._orders) >= 64:  # routing changes every step in MoE: keep a few
@@ -280,6 +279,18 @@ class NcclTransport(Transport):
 
     def abort(self) -> None:
         self.comm.abort()
+
+
+class TorchTransport(NcclTransport):
+    """NCCL per chunk through the group's own ``torch.distributed`` backend (gloo on CPU)."""
+
+    name = "torch"
+
+
+class CupyTransport(NcclTransport):
+    """NCCL per chunk through a direct NCCL communicator (CuPy's binding)."""
+
+    name, comm_type = "cupy", CupyComm
 
 
 def _chunks(

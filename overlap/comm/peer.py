@@ -103,8 +103,15 @@ def route(group: dist.ProcessGroup | None, device: torch.device) -> str | None:
 def slot_bytes(p: Plan, dtype: torch.dtype) -> int:
     """Bytes of the slots one rank receives into: ``[R, B, N]`` receive slots, and as many
     gather slots for all-reduce."""
-    regions = 2 if p.spec.replicated else 1
-    return regions * p.M * p.N * dtype.itemsize
+    return need_bytes(p.M, p.N, p.K, p.spec, dtype)
+
+
+def need_bytes(M: int, N: int, K: int, spec, dtype: torch.dtype) -> int:
+    """Bytes of data a call needs in the buffer: the slots (``slot_bytes``), or the
+    all-gather's gathered input ``[M, K]``."""
+    if spec.before:
+        return M * K * dtype.itemsize
+    return (2 if spec.replicated else 1) * M * N * dtype.itemsize
 
 
 def _width(p: Plan) -> int:
@@ -120,21 +127,17 @@ def receive_slots(buf: torch.Tensor, p: Plan, dtype: torch.dtype) -> torch.Tenso
 class PeerTransport(Transport):
     """Copy-engine pushes into symmetric-memory receive buffers; one per (group, device)."""
 
-    name = "ce"
-    blocked = True
+    name, blocked, column_bands, road, sized, recorded = "ce", True, False, "peer", True, True
     a2a_in_place = True  # all-to-all may use `out`'s peer blocks as scratch (run's order)
 
     def __init__(self, group: dist.ProcessGroup | None, device: torch.device) -> None:
         self.group, self.device = group, device
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
-        self.broken = False
         self.zeros = kept(device, lambda: torch.zeros(FLAGS_BYTES, dtype=torch.uint8,
                                                       device=device))  # _clear's  # fmt: skip
-        self.generation = 0  # grows with every new buffer (CUDA graphs of calls hold pointers)
         self.buf: torch.Tensor | None = None  # uint8, local view of the symmetric buffer
         self.ptrs: list[int] = []  # every rank's buffer, mapped here
         self._views: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # _prepare's
-        self.graph_pool = None  # the memory pool of the graphs of recorded calls (ops._recorded)
 
     # -- buffer ------------------------------------------------------------------------------
     def _ensure(self, nbytes: int) -> None:
@@ -193,10 +196,10 @@ class PeerTransport(Transport):
             )
         _layout(self.size, p.bands_per_block).check()
 
-    def fits(self, p: Plan, dtype: torch.dtype) -> bool:
-        """Whether a call of plan ``p`` needs no bigger buffer (growing one is a collective
-        and synchronizes the device, which a CUDA-graph capture cannot do)."""
-        need = p.M * p.K * dtype.itemsize if p.spec.before else slot_bytes(p, dtype)
+    def fits(self, M: int, N: int, K: int, spec, dtype: torch.dtype) -> bool:
+        """Whether the call needs no bigger buffer (growing one is a collective and
+        synchronizes the device, which a CUDA-graph capture cannot do)."""
+        need = need_bytes(M, N, K, spec, dtype)
         return self.buf is not None and self.buf.numel() >= FLAGS_BYTES + need
 
     def begin(

@@ -1,7 +1,7 @@
 """The one protocol every transport implements, and the choice of a transport for a call.
 
 A transport moves the chunks of a plan between the ranks of a group. An overlapped call
-(``overlap/ops.py``) asks it, in this order:
+(``overlap/ops/_engine.py``) asks it, in this order:
 
 1. ``begin(plan, out, caller)`` on the host before the GEMM is launched and before the
    communication stream forks from the caller stream ``caller`` (on which the copy engines
@@ -21,10 +21,13 @@ An all-gather (a collective *before* the matmul, ``overlap.all_gather_matmul``) 
 chunk and returns the buffer the chunks arrive in, then ``arrived(plan, chunks, caller)``
 before the consumer's matmuls of a band (``Plan.shard_bands``).
 
-``blocked`` says which plan layout it runs (``make_plan(blocked=...)``). The transports:
-``"torch"`` and ``"cupy"`` (NCCL, one collective per chunk: ``nccl.py``), ``"ce"`` (copy
-engines GPU to GPU: ``peer.py``; through pinned host memory: ``host.py``). This package
-imports no Triton and no kernel.
+An uneven exchange (the all-to-all with split sizes, the MoE ops, the embedding bags) asks a
+transport that declares ``uneven`` for ``events``, ``order`` and ``run_splits``.
+
+The transports: ``TorchTransport`` and ``CupyTransport`` (NCCL, one collective per chunk:
+``nccl.py``), ``PeerTransport`` (copy engines GPU to GPU: ``peer.py``) and ``HostTransport``
+(through pinned host memory: ``host.py``). ``comm.select`` (``choice.py``) chooses among them
+by their capabilities and makes them. This package imports no Triton and no kernel.
 """
 
 from __future__ import annotations
@@ -36,8 +39,6 @@ import torch
 
 from ..contract import Epilogue
 from ..plan import Plan
-
-BACKENDS = ("auto", "torch", "cupy", "ce")
 
 
 def kept(device: torch.device, make: Callable[[], torch.Tensor]) -> torch.Tensor:
@@ -67,10 +68,44 @@ def kept(device: torch.device, make: Callable[[], torch.Tensor]) -> torch.Tensor
 
 
 class Transport:
-    """Base of every transport (the protocol above)."""
+    """Base of every transport: the protocol above, and the capabilities it declares.
+
+    The call engine (``overlap/ops/_engine.py``) and ``comm.select`` ask these class
+    attributes, never a transport's name:
+
+    - ``name``: the label plans and messages show ("torch", "cupy", "ce");
+    - ``blocked``: runs blocked plans (``make_plan(blocked=True)``), else the standard layout;
+    - ``column_bands``: moves column-band plans (decode-sized products);
+    - ``uneven``: runs uneven exchanges (``events``, ``order``, ``run_splits``);
+    - ``road``: what it needs between the ranks: None (anything NCCL drives, across hosts),
+      "peer" (one host, GPUs that map each other's memory) or "host" (one host, pinned
+      shared host memory);
+    - ``sized``: one transport per (group, device), shared by the contexts of every caller
+      stream, whose buffers an eager call sizes: a call captured in a CUDA graph needs
+      ``fits`` (a capture cannot grow them), and calls of two streams are serialized;
+    - ``recorded``: a repeated eager call is recorded into a CUDA graph and replayed
+      (``overlap/ops/_record.py``).
+
+    State every transport has: ``broken`` (aborted: later calls raise), ``generation``
+    (grows with every new buffer: recorded graphs hold addresses) and ``graph_pool`` (the
+    memory pool of its recorded calls' graphs).
+    """
 
     name: str = ""
     blocked: bool = False
+    column_bands: bool = True
+    uneven: bool = False
+    road: str | None = None
+    sized: bool = False
+    recorded: bool = False
+    broken: bool = False
+    generation: int = 0
+    graph_pool = None
+
+    def fits(self, M: int, N: int, K: int, spec, dtype: torch.dtype) -> bool:
+        """Whether a call of ``[M, K] @ [K, N]`` and collective ``spec`` needs no bigger
+        buffer than the transport has (``sized`` transports; the others make none)."""
+        return True
 
     def begin(
         self, plan: Plan, out: torch.Tensor, caller: torch.cuda.Stream | None
@@ -114,6 +149,35 @@ class Transport:
         its buffer."""
         raise NotImplementedError
 
+    # -- uneven exchanges (``uneven``) ---------------------------------------------------------
+    def events(self, n: int) -> list:
+        """At least ``n`` CUDA events, one per chunk, made once and reused by every call of
+        this transport's context (the uneven exchanges mark and wait for chunks on them)."""
+        raise NotImplementedError
+
+    def order(self, splits: tuple[int, ...], n: int, device, to_slots: bool) -> torch.Tensor:
+        """Row indices between the standard layout of blocks of ``splits`` rows and its
+        chunk-major slot layout (``plan.band_rows(splits, n)``): ``standard = slots[order]``,
+        or with ``to_slots`` ``slots = standard[order]``."""
+        raise NotImplementedError
+
+    def run_splits(
+        self,
+        plan,
+        send: torch.Tensor,
+        recv: torch.Tensor,
+        wait: Callable[[int], None],
+        mark: Callable[[int], None],
+        stream: torch.cuda.Stream | None,
+        layout: list | None = None,
+    ) -> None:
+        """An uneven exchange (``SplitPlan``) on ``stream``, chunk by chunk: ``send`` and
+        ``recv`` hold their rows in the chunk-major slot layouts; ``wait(c)`` before chunk
+        ``c`` is sent, ``mark(c)`` after it has arrived, both on ``stream``. ``layout``:
+        per chunk ``(rows received from each rank, rows sent to each)``, where the rows are
+        not ``plan.splits``' bands (the embedding bags)."""
+        raise NotImplementedError
+
     def abort(self) -> None:
         """Release this rank's waits on its peers; the transport is unusable afterwards."""
         raise NotImplementedError
@@ -125,44 +189,3 @@ class Transport:
     def nbytes(self) -> int:
         """Memory the transport keeps between calls, in bytes."""
         return 0
-
-
-def choose(
-    backend: str,
-    road: str | None,
-    *,
-    eligible: bool,
-    world_size: int,
-    rows_split: bool,
-    rows_divisible: bool,
-) -> str:
-    """The transport a call with ``backend`` takes.
-
-    "torch" and "cupy" are taken as asked. "auto" and "ce" take the copy engines ("ce")
-    where they can run: a CUDA call (``eligible``), a road (``route``'s answer for the group:
-    "peer", "host" or None), a row-band plan (``rows_split``: decode-sized products are cut
-    into column bands, which NCCL moves) and ``M`` divisible by the world size. "auto" takes
-    the road through host memory only for 2 ranks: with 4 H200s without P2P it was slower
-    than sequential (0.79-0.94x) where NCCL per chunk reached 0.94-1.22x. Elsewhere both take
-    NCCL through torch.
-
-    Raises:
-        ValueError: ``backend="ce"`` on an eligible call and no road (ranks on several hosts,
-            or no stream memory operations).
-    """
-    if backend not in ("auto", "ce"):
-        return backend
-    if not eligible:
-        return "torch"
-    if road is None:
-        if backend == "ce":
-            raise ValueError(
-                "backend='ce' needs all ranks on one host and stream memory operations "
-                "(cuda-python); use 'auto' or 'torch'"
-            )
-        return "torch"
-    if not rows_split or not rows_divisible:
-        return "torch"
-    if backend == "auto" and road == "host" and world_size > 2:
-        return "torch"
-    return "ce"

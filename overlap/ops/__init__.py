@@ -1,0 +1,31 @@
+"""The public ops, one file per family, every one run by the call engine (``_engine.py``):
+
+- ``dense.py``: ``matmul_collective`` and its three shorthands (matmul, then all-reduce,
+  reduce-scatter or all-to-all);
+- ``gather.py``: ``all_gather_matmul`` (all-gather, then matmul);
+- ``exchange.py``: the uneven exchanges (the all-to-all with split sizes, the MoE combine
+  ``grouped_matmul_all_to_all`` and dispatch ``all_to_all_grouped_matmul``);
+- ``bags.py``: ``embedding_bag_all_to_all``;
+- ``_record.py``: recorded calls (a repeated eager call replays a CUDA graph).
+
+Each family's file holds its checks, forward, custom op (schema, fake, autograd) and
+backward.
+"""
+
+from ._engine import plan
+from .bags import embedding_bag_all_to_all
+from .dense import matmul_all_to_all, matmul_allreduce, matmul_collective, matmul_reduce_scatter
+from .exchange import all_to_all_grouped_matmul, grouped_matmul_all_to_all
+from .gather import all_gather_matmul
+
+__all__ = [
+    "all_gather_matmul",
+    "all_to_all_grouped_matmul",
+    "embedding_bag_all_to_all",
+    "grouped_matmul_all_to_all",
+    "matmul_all_to_all",
+    "matmul_allreduce",
+    "matmul_collective",
+    "matmul_reduce_scatter",
+    "plan",
+]

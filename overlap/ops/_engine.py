@@ -1,0 +1,545 @@
+"""The call engine: the stages every overlapped op runs, in order, each decided once.
+
+1. check the arguments (the op's file, with the checks below);
+2. a repeated eager call replays its recorded CUDA graph here (``_record.replay``), before
+   any planning;
+3. ``decide``: the context of (group, device, caller stream); the transport
+   (``comm.select``: the capture fit and every plain-path reason decided here, before
+   planning); the plan for it (``make_plan``: what ``overlap.plan`` returns and validation
+   mode fingerprints), cached by the call's signature. Nothing later changes the plan;
+4. validation mode's agreement (``guard.agree``), before anything is launched;
+5. the producer: the GEMM (``produce``: the Triton kernel counting finished tiles per
+   chunk), or cuBLAS per band (the exchanges, ``exchange.py``);
+6. the transport moves the chunks on the communication stream, each after its chunk;
+7. the consumer (the all-gather's and the dispatch's matmuls, each after its chunk arrived);
+8. the caller stream waits for the communication stream.
+
+The direction decides 5-7: a collective *after* the matmul (``run_after``: the kernel
+produces, the transport moves) or *before* it (``run_before``: the transport gathers, cuBLAS
+consumes band by band). Every call is counted by path (``overlap.stats``).
+
+Hazards: calls on one stream are serialized by that stream (the caller waits for the
+communication stream at the end of every call, which also makes buffers allocated on the
+caller stream safe to reuse); calls of two streams through the copy engines are serialized
+too (they share the group's buffers, ``overlap/context.py``). Calls can be captured in CUDA
+graphs after one eager warm-up call of the same shapes: every call's chunk counters and the
+copy engines' flags are zeroed by the call itself, so a replay repeats it exactly; the
+warm-up sizes the copy engines' buffers, which a capture cannot (without it a captured call
+takes NCCL). A graph's replays must not run beside the group's calls on other streams. The
+first call of a group on a CUDA device asks every rank which road the copy engines have (a
+collective), so every rank must make it. The Triton interpreter is used for CPU tensors only
+when ``TRITON_INTERPRET=1`` is set before ``overlap`` first launches a kernel (Triton reads it
+when the kernel is defined).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import os
+
+import torch
+import torch.distributed as dist
+
+from .. import comm, guard, stats
+from ..collectives import OPS, Collective, collective
+from ..comm import BACKENDS, TorchTransport, Transport
+from ..context import Context, context, plans, shapes, tuned, tuned_key
+from ..plan import (
+    MAX_CHUNKS,
+    Plan,
+    SplitPlan,
+    make_plan,
+    make_split_plan,
+    splits_rows,
+    tiles_for,
+)
+from ..signal import wait_counter
+from . import _record
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+# -- checks (stage 1) ------------------------------------------------------------------------
+def world(group: dist.ProcessGroup | None) -> int:
+    """The group's world size (1 where ``torch.distributed`` is not initialized)."""
+    if group is None and not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(group)
+
+
+def check_group(group) -> None:
+    """Raises TypeError naming ``group`` unless it is a process group or None, and
+    ValueError for what ``dist.new_group`` returns to a process outside the group."""
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(
+            "group: this process is not a member of it (dist.new_group returned "
+            "GroupMember.NON_GROUP_MEMBER here); call on the group's ranks only"
+        )
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group must be a torch.distributed.ProcessGroup or None, got "
+                        f"{type(group).__name__}")  # fmt: skip
+
+
+def check_backend(backend) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
+
+def check_chunks(chunks) -> None:
+    """``chunks``: None or an int in [2, MAX_CHUNKS]."""
+    if chunks is None:
+        return
+    if isinstance(chunks, bool) or not isinstance(chunks, int):
+        raise TypeError(f"chunks must be an int or None, got {type(chunks).__name__}")
+    if not 2 <= chunks <= MAX_CHUNKS:
+        raise ValueError(f"chunks must be in [2, {MAX_CHUNKS}], got {chunks}")
+
+
+def check_operands(x, w, name: str, op: str, backend: str, group, chunks=None) -> Collective:
+    """Raises on invalid arguments of a matmul + ``name`` call; returns the collective's
+    table entry."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if not isinstance(w, torch.Tensor):
+        raise TypeError(f"w must be a torch.Tensor, got {type(w).__name__}")
+    check_group(group)
+    spec = collective(name)
+    if op not in OPS:
+        raise ValueError(f"op must be one of {OPS}, got {op!r}")
+    if op != "sum" and not spec.reduces:
+        raise ValueError(f"op={op!r} needs a reduction; {name} only moves data")
+    check_backend(backend)
+    check_chunks(chunks)
+    if w.dim() != 2:
+        raise ValueError(f"w must be 2-D [K, N], got shape {tuple(w.shape)}")
+    if x.dim() < 1:
+        raise ValueError("x must have at least one dimension [..., K]")
+    if x.dtype not in DTYPES:
+        raise TypeError(f"x.dtype must be one of {DTYPES}, got {x.dtype}")
+    if w.dtype != x.dtype:
+        raise TypeError(f"w.dtype ({w.dtype}) must equal x.dtype ({x.dtype})")
+    if w.device != x.device:
+        raise ValueError(f"w is on {w.device} but x is on {x.device}")
+    if x.shape[-1] != w.shape[0]:
+        raise ValueError(
+            f"K mismatch: x is {tuple(x.shape)} ([..., K]), w is {tuple(w.shape)} ([K, N])"
+        )
+    return spec
+
+
+def check_out(out, shape: tuple[int, ...], x: torch.Tensor, *inputs: torch.Tensor) -> None:
+    """``out``: a contiguous tensor of ``shape`` and ``x``'s dtype and device that shares no
+    memory with ``x`` or ``inputs`` (the call reads them while it writes ``out``)."""
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+    if out.dtype != x.dtype:
+        raise TypeError(f"out.dtype ({out.dtype}) must equal x.dtype ({x.dtype})")
+    if out.device != x.device:
+        raise ValueError(f"out is on {out.device} but x is on {x.device}")
+    if tuple(out.shape) != shape:
+        raise ValueError(f"out must have shape {shape}, got {tuple(out.shape)}")
+    if not out.is_contiguous():
+        raise ValueError("out must be contiguous")
+    for t in (x, *inputs):
+        if out.numel() and t.numel() and _overlaps(out, t):
+            raise ValueError("out must not share memory with the inputs (x, w)")
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the memory spans of ``a`` and ``b`` intersect (conservative for strides)."""
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+
+    def span(t: torch.Tensor) -> tuple[int, int]:
+        last = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
+        return t.data_ptr(), t.data_ptr() + t.element_size() * (1 + last)
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
+
+
+def capturing(t: torch.Tensor) -> bool:
+    """Whether the current CUDA stream is being captured into a CUDA graph."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def needs_grad(*tensors: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def via_op(x: torch.Tensor, w: torch.Tensor, out, group) -> str | None:
+    """The group's name for the custom op (``""`` for None) where a call must go through it:
+    under autograd (its backward is registered) or ``torch.compile`` (it is opaque to
+    tracing); None where the call runs directly (no dispatch cost)."""
+    grad = needs_grad(x, w)
+    if not (grad or torch.compiler.is_compiling()):
+        return None
+    if out is not None:
+        why = "autograd (x or w requires grad)" if grad else "torch.compile"
+        raise ValueError(f"out= does not support {why}")
+    return "" if group is None else group.group_name
+
+
+def group_of(name: str) -> dist.ProcessGroup | None:
+    """The group a custom op was given by name ("" for None)."""
+    return None if not name else dist.distributed_c10d._resolve_process_group(name)
+
+
+@functools.lru_cache(maxsize=64)
+def num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+# -- decide (stage 3) ------------------------------------------------------------------------
+def decide(x, w, name, group, chunks, backend, capturing: bool):
+    """``(plan, context, transport class)`` of a checked call (context and class None at
+    world size 1 or on the plain path's class-less reasons). Eager calls look the decision up
+    by signature first (``context.plans``: ~40 us less per repeated call)."""
+    key = (name, group, world(group), chunks, backend, x.shape, x.dtype, x.device, w.shape[1])
+    hit = None if capturing else plans.get(key)
+    if hit is not None:
+        p, cls = hit
+        return p, (context(group, x.device) if p.world_size > 1 else None), cls
+    p, ctx, cls = _decide(x, w, name, group, chunks, backend, capturing)
+    if not capturing:  # (a capture's choice depends on the transport's buffers)
+        if len(plans) >= 1024:
+            plans.clear()
+        plans[key] = (p, cls)
+    return p, ctx, cls
+
+
+def _decide(x, w, name, group, chunks, backend, capturing: bool):
+    R, bits, spec = world(group), x.element_size() * 8, collective(name)
+    M, K, N = math.prod(x.shape[:-1]) * (R if spec.before else 1), x.shape[-1], w.shape[1]
+    if R == 1:
+        p = make_plan(M, N, K, world_size=1, collective=name, dtype_bits=bits, chunks=chunks)
+        return p, None, None
+    if spec.splits_rows and M % R:
+        raise ValueError(f"{name} needs M ({M}) divisible by the world size ({R})")
+    ctx = context(group, x.device)
+    road = comm.road(group, x.device, capturing) if x.is_cuda else None  # a collective, once
+    why = None
+    if not x.is_cuda and not spec.before:  # (the all-gather runs no kernel)
+        if os.environ.get("TRITON_INTERPRET", "0") != "1":
+            why = "CPU tensors and TRITON_INTERPRET is not 1"
+        elif x.dtype == torch.bfloat16:
+            why = "the Triton interpreter computes bfloat16 products wrongly (triton 3.6)"
+    if why is None and chunks is None:
+        choice = tuned(tuned_key(group, M, N, K, x.dtype, name))  # set by overlap.tune only
+        if choice == "plain":
+            why = "overlap.tune measured the plain path fastest"
+        chunks = None if choice == "plain" else choice
+    if why is not None:
+        return Plan("fallback", why, name, M, N, K, R), ctx, None
+
+    def fits(cls: type[Transport]) -> bool:  # a capture uses the buffers an eager call sized
+        t = comm.shared(cls, group, x.device)
+        return t is not None and t.fits(M, N, K, spec, x.dtype)
+
+    cls = comm.select(
+        backend, road, eligible=x.is_cuda, world_size=R,
+        rows_split=splits_rows(M, name, R, tiles_for(M, bits, interpreter=not x.is_cuda)),
+        rows_divisible=M % R == 0, fits=fits if capturing else None,
+    )  # fmt: skip
+    p = make_plan(
+        M, N, K, world_size=R, collective=name, dtype_bits=bits, interpreter=not x.is_cuda,
+        num_sms=num_sms(x.device), chunks=chunks, blocked=cls.blocked, transport=cls.name,
+    )  # fmt: skip
+    return p, ctx, cls
+
+
+def how(p: Plan) -> str:
+    """The path of plan ``p`` as ``overlap.stats`` counts it."""
+    return f"overlap via {p.transport}" if p.path == "overlap" else f"plain: {p.reason}"
+
+
+def plan(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    collective: str = "all_reduce",
+    *,
+    group: dist.ProcessGroup | None = None,
+    chunks: int | None = None,
+    backend: str = "auto",
+    input_split_sizes: list[int] | None = None,
+    output_split_sizes: list[int] | None = None,
+) -> Plan | SplitPlan:
+    """The plan a call with these arguments runs: ``path`` ("overlap" or "fallback"), the
+    ``transport`` that moves its chunks, the chunks and tiles, and ``reason``;
+    ``plan(...).describe()`` prints it.
+
+    Like the call, the first one of a group on a CUDA device asks every rank which road the
+    copy engines have (a collective): every rank of ``group`` calls it then.
+
+    Args:
+        x: ``[..., K]`` (for ``"all_gather"``: this rank's shard). w: ``[K, N]`` (the MoE
+            ops' ``[E, K, N]``: pass one expert's ``w[0]``).
+            collective, group, chunks, backend: as in ``matmul_collective`` (and
+            ``"all_gather"``: ``all_gather_matmul``'s plan).
+        input_split_sizes, output_split_sizes: an uneven all-to-all's splits (the MoE
+            combine and dispatch run the same plan): its ``SplitPlan``.
+
+    Raises:
+        ValueError, TypeError: on invalid arguments (the same checks as the call).
+    """
+    check_operands(x, w, collective, "sum", backend, group, chunks)
+    if input_split_sizes is None and output_split_sizes is None:
+        return decide(x, w, collective, group, chunks, backend, capturing(x))[0]
+    sends, receives = check_splits(x, collective, input_split_sizes, output_split_sizes, group)
+    return split_plan(sends, receives, w.shape[-1], x.shape[-1], chunks, backend)
+
+
+def check_splits(x, name, sends, receives, group) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The checked ``(input_split_sizes, output_split_sizes)`` of an uneven all-to-all, as
+    tuples."""
+    if name != "all_to_all":
+        raise ValueError(f"input_split_sizes / output_split_sizes are for all_to_all, not {name}")
+    if sends is None or receives is None:
+        raise ValueError("input_split_sizes and output_split_sizes go together (None for both: "
+                         "equal splits)")  # fmt: skip
+    R, M = world(group), math.prod(x.shape[:-1])
+    for what, s in (("input_split_sizes", sends), ("output_split_sizes", receives)):
+        if len(s) != R or not all(isinstance(v, int) and v >= 0 for v in s):
+            raise ValueError(f"{what} must be {R} non-negative ints (one per rank), got {s!r}")
+    if sum(sends) != M:
+        raise ValueError(f"input_split_sizes add up to {sum(sends)}, not to x's {M} rows")
+    return tuple(sends), tuple(receives)
+
+
+def split_plan(
+    sends: tuple[int, ...], receives: tuple[int, ...], N: int, K: int, chunks, backend: str
+) -> SplitPlan:
+    """The plan an uneven exchange runs: ``sends[j]`` rows of ``[M, K] @ [K, N]`` to rank
+    ``j``, ``receives[s]`` from rank ``s``, through ``comm.select_uneven(backend)``."""
+    cls = comm.select_uneven(backend)
+    return make_split_plan(sends, receives, N, K, chunks=chunks, transport=cls.name)
+
+
+def _agree(group, p: Plan, dtype, op: str) -> None:
+    guard.agree(group, guard.fingerprint(p, dtype, op), p.describe())
+
+
+def _watch(ctx: Context, cls, p: Plan, x: torch.Tensor, capturing: bool) -> None:
+    """Validation mode's watch of the call's last work (not while capturing: a capturing
+    stream cannot be queried)."""
+    if capturing or not x.is_cuda:
+        return
+    if cls is None:  # the plain path: the caller stream, the group's own collectives
+        guard.watch(torch.cuda.current_stream(x.device), ctx.transport(TorchTransport).abort,
+                    p.describe())  # fmt: skip
+    else:
+        guard.watch(ctx.comm_stream, ctx.transport(cls).abort, p.describe())
+
+
+# -- after the matmul ------------------------------------------------------------------------
+def run_after(x, w, name, group, op, out, backend, chunks, label: str) -> torch.Tensor:
+    """A checked matmul + collective ``name`` call without autograd; ``label``: the op, as
+    ``overlap.stats`` counts it."""
+    cap = capturing(x)
+    sig = None if cap else _record.signature(name, group, op, backend, chunks, x, w)
+    if sig is not None and sig in shapes:  # a recorded call again: no planning
+        if out is None:
+            out = torch.empty(shapes[sig][0], dtype=x.dtype, device=x.device)
+        name = _record.replay((sig, _record.outputs(out)))
+        if name is not None:
+            stats.count(label, "replayed via " + name)
+            return out
+    p, ctx, cls = decide(x, w, name, group, chunks, backend, cap)
+    R, M, N = p.world_size, p.M, p.N
+    shape = p.spec.result_shape(tuple(x.shape), N, R)
+    if out is None:
+        out = torch.empty(shape, dtype=x.dtype, device=x.device)
+    else:
+        check_out(out, shape, x, w)
+    x2 = x if x.dim() == 2 else x.reshape(M, p.K)
+    out2 = out if out.dim() == 2 else out.view(-1, N)
+    scale = 1.0 / R if op == "avg" and R > 1 else None
+    validating = ctx is not None and guard.validating()
+    if validating:
+        _agree(group, p, x.dtype, op)
+    stats.count(label, how(p))
+    if p.path != "overlap":
+        plain(x2, w, out2, p, scale, group)
+    else:
+        call = functools.partial(overlapped, x2, w, out2, p, scale, ctx, cls)
+        key = None if sig is None or x2.data_ptr() != x.data_ptr() else (sig, _record.outputs(out))
+        _record.recorded(call, ctx, cls, capturing=cap, key=key, out_shapes=(shape,))
+    if validating:
+        _watch(ctx, cls if p.path == "overlap" else None, p, x, cap)
+    return out
+
+
+def overlapped(
+    x2: torch.Tensor,
+    w: torch.Tensor,
+    out2: torch.Tensor,
+    p: Plan,
+    scale: float | None,
+    ctx: Context,
+    cls: type[Transport],
+    capturing: bool,
+    trace=None,
+) -> None:
+    """Stages 5-8 of plan ``p`` (``p.path == "overlap"``) on the current stream, with the
+    context's transport, streams and counters: ``produce``. (``tools/timeline.py`` calls it
+    directly, with ``trace``.)"""
+    transport = ctx.transport(cls, capturing)
+    s = ctx.comm_stream  # None on CPU: the interpreter runs the kernel to completion, then gloo
+    caller = torch.cuda.current_stream(x2.device) if s is not None else None
+    # Counters zeroed on the caller stream before `s` forks from it: this stream's (the
+    # previous call's waits on them are over: the caller stream waited for `s`), or a captured
+    # call's own, from the graph's pool (a capture cannot make the stream's: a thread making
+    # memory while the capture's stream records is refused), zeroed at every replay.
+    if capturing:
+        counters = torch.zeros(p.n_chunks, dtype=torch.int32, device=x2.device)
+    else:
+        counters = ctx.counters
+        counters.zero_()
+    with _on_device(x2):
+        produce(x2, w, out2, p, scale, transport, counters, caller, s, trace)
+
+
+def _on_device(t: torch.Tensor):
+    """``t``'s device made current where it is not (the switch costs host time)."""
+    other = t.is_cuda and t.device.index != torch.cuda.current_device()
+    return torch.cuda.device(t.device) if other else contextlib.nullcontext()
+
+
+def produce(x2, w, out2, p: Plan, scale, transport: Transport, counters, caller, s, trace=None):
+    """The GEMM of ``x2 [M, K] @ w [K, N]`` on ``caller`` counting each chunk's finished tiles
+    in ``counters``, and the transport issuing chunk ``c`` on ``s`` once its counter is
+    reached; ``caller`` then waits for ``s``. ``caller`` and ``s`` are None on CPU (the
+    interpreter runs the kernel to completion, then the transport runs on the host).
+
+    ``trace``: ``trace.tiles`` goes to the kernel, and ``trace.stamp(i)`` is called on the
+    communication stream when chunk ``i // 2`` is ready (even ``i``) and when its transfer
+    has finished (odd ``i``)."""
+    from ..gemm import chunked_matmul  # Triton: imported on first use
+
+    slots, epilogue = transport.begin(p, out2, caller)
+    targets = p.tiles_per_chunk
+
+    def wait(c: int, ops=None) -> None:  # (ops: the copy engines' batch, transport.py)
+        if trace is not None and c:
+            trace.stamp(2 * c - 1)
+        wait_counter(counters, c, targets[c], s, ops)
+        if trace is not None:
+            trace.stamp(2 * c)
+
+    if s is not None:
+        s.wait_stream(caller)  # inputs and buffers are ready before `s` touches them
+    tiles = trace.tiles if trace is not None else None
+    chunked_matmul(x2, w, slots, counters, p, scale, epilogue=epilogue, trace=tiles)
+    try:
+        transport.run(p, slots, out2, wait, s)
+        if trace is not None:
+            with torch.cuda.stream(s):
+                trace.stamp(2 * p.n_chunks - 1)
+    finally:
+        if s is not None:
+            # The caller continues after the last transfer, so buffers allocated on it are
+            # free to reuse once this call's work on `s` is done (also when a chunk's
+            # collective raised: the chunks issued before it still use them).
+            caller.wait_stream(s)
+
+
+def plain(x2, w, out2, p: Plan, scale: float | None, group) -> None:
+    """The sequential path: matmul, then one collective on the whole product."""
+    if p.spec.replicated or p.world_size == 1:
+        y = torch.matmul(x2, w, out=out2)
+    else:
+        y = x2 @ w  # reduce-scatter and all-to-all cannot run in place
+    if scale is not None:
+        y.mul_(scale)
+    if p.world_size > 1:
+        p.spec.plain(y, out2, group)
+
+
+# -- before the matmul -----------------------------------------------------------------------
+def run_before(x, w, group, out, backend, chunks, keep: bool):
+    """A checked ``all_gather_matmul`` call without autograd: ``(out, x_full)``, the second
+    ``[R m, K]`` when ``keep`` else empty."""
+    cap = capturing(x)
+    sig = None if cap else _record.signature("all_gather", group, "sum", backend, chunks, x, w,
+                                             keep)  # fmt: skip
+    if sig is not None and sig in shapes:  # a recorded call again: no planning
+        out_shape, full_shape = shapes[sig]
+        out = x.new_empty(out_shape) if out is None else out
+        full = x.new_empty(full_shape)
+        name = _record.replay((sig, _record.outputs(out, full)))
+        if name is not None:
+            stats.count("all_gather_matmul", "replayed via " + name)
+            return out, full
+    p, ctx, cls = decide(x, w, "all_gather", group, chunks, backend, cap)
+    M, N, K, R = p.M, p.N, p.K, p.world_size
+    if out is None:
+        out = x.new_empty(M, N)
+    else:
+        check_out(out, (M, N), x, w)
+    x2 = x.reshape(M // R, K)
+    validating = ctx is not None and guard.validating()
+    if validating:
+        _agree(group, p, x.dtype, "sum")
+    stats.count("all_gather_matmul", how(p))
+    if p.path != "overlap":
+        full = x2
+        if R > 1:
+            full = x.new_empty(M, K)
+            p.spec.plain(x2.contiguous(), full, group)
+        torch.matmul(full, w, out=out)
+        full = full if keep else x.new_empty(0)
+    else:
+        full = x.new_empty((M, K) if keep else (0,))  # (outside a recorded graph's pool)
+        call = functools.partial(_gathered, x2, w, out, full, p, ctx, cls)
+        key = None
+        if sig is not None and x2.data_ptr() == x.data_ptr():
+            key = (sig, _record.outputs(out, full))
+        _record.recorded(call, ctx, cls, capturing=cap, key=key,
+                         out_shapes=((M, N), tuple(full.shape)))  # fmt: skip
+    if validating:
+        _watch(ctx, cls if p.path == "overlap" else None, p, x, cap)
+    return out, full
+
+
+def _gathered(x2, w, out, full, p: Plan, ctx: Context, cls, capturing: bool) -> None:
+    """Stages 6-8 of an all-gather with plan ``p`` on the current stream: ``consume``."""
+    transport = ctx.transport(cls, capturing)
+    s = ctx.comm_stream
+    with _on_device(x2):
+        caller = torch.cuda.current_stream(x2.device) if s is not None else None
+        consume(x2, w, out, full, p, transport, ctx.rank, caller, s)
+
+
+def consume(x2, w, out, full, p: Plan, transport: Transport, rank: int, caller, s) -> None:
+    """The transport gathers every rank's shard on ``s`` while ``caller`` multiplies this
+    rank's own rows ``x2 [m, K]`` (no wait), then each band of the other shards once it has
+    arrived, into ``out [R m, N]``; ``full``: ``x_full [R m, K]`` or empty. ``caller`` then
+    waits for ``s``."""
+    R, N, K = p.world_size, p.N, p.K
+    m, keep = p.M // R, full.numel() > 0
+    try:
+        buf = transport.gather(p, x2.contiguous(), s, caller)  # `s` waits for `caller`
+        torch.matmul(x2, w, out=out[rank * m : (rank + 1) * m])  # own rows: no wait
+        out3 = out.view(R, m, N)
+        for q, h, chunks in p.shard_bands:
+            transport.arrived(p, chunks, caller)
+            if p.blocked:  # the standard layout: [R, m, K], rows q.. of every shard
+                a3 = buf.view(R, m, K)[:, q : q + h]
+            else:  # NCCL's slot [R, h, K]
+                a3 = buf[R * q : R * (q + h)].view(R, h, K)
+            # the other ranks' rows: one batched matmul on each side of this rank's
+            # (0.97-1.09x one cuBLAS call at R = 2-8 on H200; a matmul per rank: 1.04-1.15x)
+            for lo, hi in ((0, rank), (rank + 1, R)):
+                if hi > lo:
+                    torch.bmm(a3[lo:hi], w.expand(hi - lo, K, N), out=out3[lo:hi, q : q + h])
+            if keep:  # the standard layout (the buffer is reused by the next call)
+                full.view(R, m, K)[:, q : q + h] = a3
+        if keep:
+            full[rank * m : (rank + 1) * m] = x2
+    finally:
+        if s is not None:
+            caller.wait_stream(s)  # as in `produce`

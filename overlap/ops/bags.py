@@ -1,0 +1,248 @@
+"""``embedding_bag_all_to_all``: model-parallel embedding tables and the all-to-all over
+batch slices, overlapped band by band (an uneven exchange: ``exchange._SplitCall``), with
+its custom op and backward."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ..plan import DEFAULT_SPLIT_CHUNKS
+from ._engine import DTYPES, check_backend, check_chunks, check_group, group_of, world
+from .exchange import _SplitCall
+
+_BAG_MODES = ("sum", "mean", "max")
+
+
+def embedding_bag_all_to_all(
+    tables: list[torch.Tensor],
+    indices: list[torch.Tensor],
+    offsets: list[torch.Tensor],
+    *,
+    group: dist.ProcessGroup | None = None,
+    mode: str = "sum",
+    rank_dims: list[int] | None = None,
+    backend: str = "auto",
+    chunks: int | None = None,
+) -> torch.Tensor:
+    """Model-parallel embedding tables (table-wise sharding) and the all-to-all over batch
+    slices, overlapped: the pooled vectors of every destination's bags travel band by band.
+
+    Rank ``r`` holds ``tables`` and pools them over the global batch of ``B`` bags; the result
+    on every rank is its batch slice ``[B / R, D_all]``, column block ``s`` holding rank
+    ``s``'s tables' pooled vectors in its table order. Equals ``embedding_bag`` per table,
+    concatenated along columns, then ``all_to_all_single`` over batch slices.
+
+    Args:
+        tables: this rank's tables ``[rows_t, D_t]``, one dtype and device.
+        indices, offsets: one pair per table, ``embedding_bag``'s 1-D format; every
+            ``offsets`` has ``B`` entries (the same ``B`` on every rank, divisible by ``R``).
+            ``offsets`` is read on the host at the bands' edges once per call.
+        group, backend, chunks: as in ``matmul_collective`` (NCCL per chunk only; default 4
+            chunks).
+        mode: ``"sum"``, ``"mean"`` or ``"max"`` (``embedding_bag``'s).
+        rank_dims: every rank's ``sum(D_t)``; None asks the ranks (a host collective every
+            call: pass it where it is known).
+
+    Returns:
+        ``[B / R, D_all]``. Differentiable in the tables (the gradient is sent back, then
+        ``embedding_bag``'s own backward); a custom op under ``torch.compile``.
+
+    Raises:
+        TypeError, ValueError: naming the argument (types, shapes, modes, ``B`` not
+            divisible by ``R``, ``rank_dims`` that disagree with the tables).
+    """
+    check_group(group)
+    check_chunks(chunks)
+    R, rank = world(group), (dist.get_rank(group) if world(group) > 1 else 0)
+    B = _check_bags(tables, indices, offsets, mode, backend, group, R)
+    D = sum(t.shape[1] for t in tables)
+    if rank_dims is None:
+        rank_dims = [D]
+        if R > 1:
+            rank_dims = [None] * R
+            dist.all_gather_object(rank_dims, D, group=group)
+    if len(rank_dims) != R or rank_dims[rank] != D:
+        raise ValueError(f"rank_dims must hold every rank's sum of table widths ({R} ints, "
+                         f"this rank's {D}), got {rank_dims!r}")  # fmt: skip
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in tables)
+    if grad or torch.compiler.is_compiling():
+        gname = "" if group is None else group.group_name
+        return torch.ops.overlap.embedding_bag_all_to_all(
+            tables, indices, offsets, gname, mode, list(rank_dims), backend, chunks
+        )
+    return _bags_forward(
+        tables, indices, offsets, group, mode, tuple(rank_dims), backend, chunks, B
+    )
+
+
+def _check_bags(tables, indices, offsets, mode, backend, group, R) -> int:
+    """The embedding-bag op's checks; returns ``B``."""
+    if not isinstance(tables, (list, tuple)) or not tables:
+        raise TypeError("tables must be a non-empty list of [rows, D] tensors")
+    for name, seq in (("indices", indices), ("offsets", offsets)):
+        if not isinstance(seq, (list, tuple)) or len(seq) != len(tables):
+            raise ValueError(f"{name} must be a list with one tensor per table ({len(tables)})")
+    if mode not in _BAG_MODES:
+        raise ValueError(f"mode must be one of {_BAG_MODES}, got {mode!r}")
+    check_backend(backend)
+    t0 = tables[0]
+    for t, i, o in zip(tables, indices, offsets, strict=True):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.dtype not in DTYPES:
+            raise TypeError(f"tables must be 2-D float tensors, got {getattr(t, 'shape', t)}")
+        if t.dtype != t0.dtype or t.device != t0.device:
+            raise ValueError("tables must share one dtype and device")
+        for name, v in (("indices", i), ("offsets", o)):
+            if not isinstance(v, torch.Tensor) or v.dim() != 1 or v.is_floating_point():
+                raise ValueError(f"{name} must hold 1-D integer tensors")
+    B = offsets[0].numel()
+    if any(o.numel() != B for o in offsets):
+        raise ValueError("offsets must have the same number of bags (B) for every table")
+    if B % R:
+        raise ValueError(f"the batch ({B} bags) must be divisible by the world size ({R})")
+    return B
+
+
+def _bags_forward(tables, indices, offsets, group, mode, rank_dims, backend, chunks, B):
+    """``embedding_bag_all_to_all`` of checked arguments, without autograd: band ``c`` of
+    every destination's batch slice pooled into chunk ``c``'s send slot ``[R, h, D]``, an
+    event after each, one ``all_to_all_single`` per chunk (``run_splits`` on the flattened
+    slots, ``N = 1``), the received blocks copied into their columns."""
+    R, D = len(rank_dims), sum(t.shape[1] for t in tables)
+    b, t0 = B // R, tables[0]
+    n = chunks or DEFAULT_SPLIT_CHUNKS if R > 1 else 1
+    bands = [(c * b // n, (c + 1) * b // n) for c in range(n)]
+    # the first index of every band's bags, on the host (one small copy per table)
+    edges = sorted({j * b + e for j in range(R) for lo, hi in bands for e in (lo, hi)})
+    at_edge = [dict(zip(edges, torch.cat([o, o.new_tensor([i.numel()])])[edges].tolist(),
+                        strict=True)) for o, i in zip(offsets, indices, strict=True)]  # fmt: skip
+
+    def pool(lo: int, hi: int) -> torch.Tensor:  # bags [lo, hi) of every table: [hi - lo, D]
+        parts = []
+        for t, i, o, e in zip(tables, indices, offsets, at_edge, strict=True):
+            parts.append(F.embedding_bag(i[e[lo] : e[hi]], t, o[lo:hi] - e[lo], mode=mode))
+        return torch.cat(parts, dim=1)
+
+    if R == 1:
+        return pool(0, B)
+    # per chunk, elements (rows of width 1) received from and sent to every rank
+    layout = [([(hi - lo) * d for d in rank_dims], [(hi - lo) * D] * R) for lo, hi in bands]
+    sends, receives = tuple(b * D for _ in range(R)), tuple(b * d for d in rank_dims)
+    call = _SplitCall(t0, group, backend, n, sends, receives, 1, 0, "embedding_bag_all_to_all")
+    p, s, out = call.plan, call.stream, t0.new_empty(b, sum(rank_dims))
+    send, recv = t0.new_empty(B * D, 1), t0.new_empty(b * sum(rank_dims), 1)
+    starts = [sum(rank_dims[:s_]) for s_ in range(R)]
+    try:
+        at = 0
+        for c, (lo, hi) in enumerate(bands):
+            h = hi - lo
+            for j in range(R):  # band c of destination j's slice
+                send[at : at + h * D].view(h, D).copy_(pool(j * b + lo, j * b + hi))
+                at += h * D
+            call.mark(c, call.caller)
+        call.transport.run_splits(p, send, recv, call.waiter(s), lambda c: None, s, layout)
+        with torch.cuda.stream(s) if s is not None else contextlib.nullcontext():
+            at = 0
+            for lo, hi in bands:
+                for s_, d in enumerate(rank_dims):
+                    piece = recv[at : at + (hi - lo) * d].view(hi - lo, d)
+                    out[lo:hi, starts[s_] : starts[s_] + d] = piece
+                    at += (hi - lo) * d
+    finally:
+        call.end(t0)
+    return out
+
+
+@torch.library.custom_op("overlap::embedding_bag_all_to_all", mutates_args=())
+def _bags_op(
+    tables: list[torch.Tensor], indices: list[torch.Tensor], offsets: list[torch.Tensor],
+    group: str, mode: str, rank_dims: list[int], backend: str, chunks: int | None,
+) -> torch.Tensor:  # fmt: skip
+    """``embedding_bag_all_to_all`` as a custom op (``group``: its name, "" for None)."""
+    B = offsets[0].numel()
+    return _bags_forward(tables, indices, offsets, group_of(group), mode, tuple(rank_dims),
+                         backend, chunks, B)  # fmt: skip
+
+
+@_bags_op.register_fake
+def _(tables, indices, offsets, group, mode, rank_dims, backend, chunks):
+    return tables[0].new_empty(offsets[0].shape[0] // len(rank_dims), sum(rank_dims))
+
+
+@torch.library.custom_op("overlap::embedding_bag_all_to_all_backward", mutates_args=())
+def _bags_backward_op(
+    g: torch.Tensor, tables: list[torch.Tensor], indices: list[torch.Tensor],
+    offsets: list[torch.Tensor], group: str, mode: str, rank_dims: list[int],
+) -> list[torch.Tensor]:  # fmt: skip
+    """The tables' gradients: ``g [B / R, D_all]`` sent back (rank ``s`` gets its columns of
+    every batch slice: ``[B, D_s]``), then ``embedding_bag``'s own backward per table."""
+    pg, R = group_of(group), len(rank_dims)
+    D = sum(t.shape[1] for t in tables)
+    b = g.shape[0]
+    full = g
+    if R > 1:
+        starts = [sum(rank_dims[:s]) for s in range(R)]
+        send = torch.cat(
+            [g[:, a : a + d].reshape(-1) for a, d in zip(starts, rank_dims, strict=True)]
+        )
+        recv = g.new_empty(R * b * D)
+        dist.all_to_all_single(recv, send, [b * D] * R, [b * d for d in rank_dims], group=pg)
+        full = recv.view(R * b, D)
+    grads, at = [], 0
+    for t, i, o in zip(tables, indices, offsets, strict=True):
+        grads.append(_bag_grad(t, i, o, full[:, at : at + t.shape[1]], mode))
+        at += t.shape[1]
+    return grads
+
+
+def _bag_grad(t, idx, off, g, mode: str) -> torch.Tensor:
+    """``embedding_bag``'s gradient for its table ``t`` from the pooled gradient ``g [B, D]``
+    (a custom op's body runs without autograd, so it is written out): each index gets its
+    bag's gradient (``"mean"``: over the bag's size); ``"max"``: only the first row holding
+    the bag's maximum, per column."""
+    acc = torch.zeros(t.shape, dtype=torch.float32, device=t.device)
+    L, (B, D) = idx.numel(), g.shape
+    if L == 0:
+        return acc.to(t.dtype)
+    pos = torch.arange(L, device=t.device)
+    bag = torch.searchsorted(off.to(t.device), pos, right=True) - 1
+    g = g.float()
+    if mode != "max":
+        part = g[bag]
+        if mode == "mean":
+            part /= torch.bincount(bag, minlength=B).clamp_min(1)[bag, None]
+        return acc.index_add_(0, idx, part).to(t.dtype)
+    vals, where = t[idx].float(), bag[:, None].expand(-1, D)
+    best = torch.full((B, D), float("-inf"), device=t.device).scatter_reduce(0, where, vals, "amax")
+    candidates = torch.where(vals == best[bag], pos[:, None], L)
+    first = torch.full((B, D), L, device=t.device).scatter_reduce(0, where, candidates, "amin")
+    hit = first < L
+    cols = torch.arange(D, device=t.device).expand(B, -1)
+    acc.index_put_((idx[first[hit]], cols[hit]), g[hit], accumulate=True)
+    return acc.to(t.dtype)
+
+
+@_bags_backward_op.register_fake
+def _(g, tables, indices, offsets, group, mode, rank_dims):
+    return [torch.empty_like(t) for t in tables]
+
+
+def _bags_setup(ctx, inputs, output) -> None:
+    tables, indices, offsets, ctx.group, ctx.mode, ctx.rank_dims = inputs[:6]
+    ctx.n = len(tables)
+    ctx.save_for_backward(*tables, *indices, *offsets)
+
+
+def _bags_backward(ctx, g):
+    saved, n = ctx.saved_tensors, ctx.n
+    tables, indices, offsets = saved[:n], saved[n : 2 * n], saved[2 * n :]
+    grads = _bags_backward_op(g.contiguous(), list(tables), list(indices), list(offsets),
+                              ctx.group, ctx.mode, ctx.rank_dims)  # fmt: skip
+    nones = [None] * n
+    return grads, nones, nones, None, None, None, None, None
+
+
+_bags_op.register_autograd(_bags_backward, setup_context=_bags_setup)

@@ -1,0 +1,270 @@
+"""The matmul + collective family: ``x @ w`` followed by an all-reduce, reduce-scatter or
+all-to-all, overlapped chunk by chunk (``_engine.run_after``), with its custom op, fake and
+backward.
+
+Shapes (R = world size of ``group``; ``x`` is ``[..., K]`` and ``M`` is the product of its leading
+dims; ``w`` is ``[K, N]``, any strides):
+
+================  =======================  ====================================================
+collective        result                   equals
+================  =======================  ====================================================
+all_reduce        ``[..., N]``             ``dist.all_reduce(x @ w)``
+reduce_scatter    ``[M / R, N]``           ``dist.reduce_scatter_tensor(out, (x @ w).view(M, N))``
+all_to_all        ``[..., N]``             ``dist.all_to_all_single(out, x @ w)``: row block
+                                           ``j`` of ``M / R`` rows goes to rank ``j``
+================  =======================  ====================================================
+
+The backward (``_backward_op``) serves ``all_gather_matmul`` too: the two are each other's
+input gradient (tensor parallelism's mirror pairs, ``Collective.dual``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..collectives import collective
+from . import exchange
+from ._engine import (
+    check_operands,
+    check_splits,
+    group_of,
+    run_after,
+    run_before,
+    via_op,
+    world,
+)
+
+
+def matmul_collective(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    collective: str = "all_reduce",
+    *,
+    group: dist.ProcessGroup | None = None,
+    op: str = "sum",
+    out: torch.Tensor | None = None,
+    backend: str = "auto",
+    chunks: int | None = None,
+    input_split_sizes: list[int] | None = None,
+    output_split_sizes: list[int] | None = None,
+) -> torch.Tensor:
+    """``x @ w`` followed by ``collective`` over ``group``, overlapped chunk by chunk.
+
+    Args:
+        x: ``[..., K]`` fp16, bf16 or fp32; leading dims are flattened into ``M``.
+        w: ``[K, N]``, same dtype and device, any strides (``linear.weight.t()`` is fine).
+        collective: "all_reduce", "reduce_scatter" or "all_to_all" (module docstring: shapes).
+        group: process group; ``None`` is the default group (or world size 1 if
+            ``torch.distributed`` is not initialized).
+        op: "sum" or "avg" (reductions only; "avg" divides the product by R before the sum).
+        out: optional contiguous result tensor of the result's shape, dtype and device,
+            sharing no memory with ``x`` or ``w``.
+        backend: "auto" (default: "ce" where it runs, and without P2P only for 2 ranks;
+            else "torch"), "torch" (the group's own NCCL/gloo, one collective per chunk),
+            "cupy" (a direct NCCL communicator created once from the group) or "ce"
+            (copy-engine pushes, GPU to GPU where the GPUs map each other's memory, else
+            through pinned host memory: ``overlap/comm/peer.py``, ``host.py``; NCCL where a
+            plan or a CUDA-graph capture does not allow it, ``comm.select``).
+        chunks: about how many chunks to use, an int in [2, 64] (default: the planner's).
+        input_split_sizes, output_split_sizes: (all-to-all; both or neither) rows of the
+            product this rank sends to each rank (consecutive, in rank order; they add up to
+            ``M``) and rows it receives from each, as ``all_to_all_single`` takes them
+            (``exchange.py``: NCCL per chunk, always overlapped in ``chunks``, default 4,
+            chunks; equal splits are faster given as None).
+
+    Returns:
+        The result in the plain torch call's layout: ``[..., N]``, or ``[M / R, N]`` for
+        reduce-scatter, ``[sum(output_split_sizes), N]`` for an all-to-all with splits.
+        Differentiable when ``x`` or ``w`` requires grad (the registered backward,
+        ``_backward_op``; the reduce-scatter's input gradient is ``all_gather_matmul``'s);
+        usable under ``torch.compile`` (``fullgraph=True`` too: the call is the custom op
+        ``overlap::matmul_collective``).
+
+    Raises:
+        TypeError: wrong type of ``x``, ``w``, ``out``, ``group`` or ``chunks``, or wrong dtype.
+        ValueError: shape or device mismatch, unknown collective/op/backend, ``chunks`` out
+            of range, ``M`` not divisible by R for reduce-scatter and all-to-all, ``out``
+            with autograd or sharing memory with an input.
+        overlap.RankMismatchError: (validation mode) the ranks' calls differ.
+        TimeoutError: (validation mode) a rank did not arrive, or the call's collectives did
+            not finish, within ``overlap.configure``'s timeout.
+    """
+    if check_operands(x, w, collective, op, backend, group, chunks).before:
+        raise ValueError(f"collective={collective!r} gathers x before the matmul: call "
+                         "overlap.all_gather_matmul")  # fmt: skip
+    split = input_split_sizes is not None or output_split_sizes is not None
+    if split:
+        splits = check_splits(x, collective, input_split_sizes, output_split_sizes,
+                                       group)  # fmt: skip
+    gname = via_op(x, w, out, group)
+    if gname is not None:
+        extra = (list(splits[0]), list(splits[1])) if split else ()
+        return torch.ops.overlap.matmul_collective(x, w, collective, gname, op, backend, chunks,
+                                                   *extra)  # fmt: skip
+    if split:
+        return exchange.split_forward(x, w, group, out, backend, chunks, *splits)
+    return run_after(x, w, collective, group, op, out, backend, chunks, collective)
+
+
+def matmul_allreduce(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    collective: str = "all_reduce",
+    op: str = "sum",
+    out: torch.Tensor | None = None,
+    backend: str = "auto",
+    chunks: int | None = None,
+) -> torch.Tensor:
+    """``dist.all_reduce(x @ w)`` overlapped: ``x [..., K]``, ``w [K, N]`` -> ``[..., N]``.
+
+    ``collective="reduce_scatter"`` makes it a reduce-scatter (``[M / R, N]``); the other
+    arguments are those of ``matmul_collective``, as for the two below.
+    """
+    return matmul_collective(x, w, collective, group=group, op=op, out=out, backend=backend,
+                             chunks=chunks)  # fmt: skip
+
+
+def matmul_reduce_scatter(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    op: str = "sum",
+    out: torch.Tensor | None = None,
+    backend: str = "auto",
+    chunks: int | None = None,
+) -> torch.Tensor:
+    """``reduce_scatter_tensor`` of ``x @ w`` overlapped: ``x [..., K]``, ``w [K, N]`` ->
+    ``[M / R, N]``, rank r holding rows ``[r * M / R, (r + 1) * M / R)`` of the sum."""
+    return matmul_collective(x, w, "reduce_scatter", group=group, op=op, out=out,
+                             backend=backend, chunks=chunks)  # fmt: skip
+
+
+def matmul_all_to_all(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    *,
+    input_split_sizes: list[int] | None = None,
+    output_split_sizes: list[int] | None = None,
+    group: dist.ProcessGroup | None = None,
+    out: torch.Tensor | None = None,
+    backend: str = "auto",
+    chunks: int | None = None,
+) -> torch.Tensor:
+    """``all_to_all_single`` of ``x @ w`` overlapped: ``x [..., K]``, ``w [K, N]`` ->
+    ``[..., N]``; row block ``j`` (``M / R`` rows) of the product goes to rank ``j``, and block
+    ``s`` of the result came from rank ``s``. With ``input_split_sizes`` and
+    ``output_split_sizes`` (as ``all_to_all_single``'s: the rows of ``x``, ordered by
+    destination, sent to each rank, and the rows received from each), the blocks are uneven
+    and the result is ``[sum(output_split_sizes), N]`` (MoE dispatch and combine)."""
+    return matmul_collective(x, w, "all_to_all", group=group, out=out, backend=backend,
+                             chunks=chunks, input_split_sizes=input_split_sizes,
+                             output_split_sizes=output_split_sizes)  # fmt: skip
+
+
+# The op as a torch custom op: torch.compile(fullgraph=True) keeps it whole (Dynamo cannot
+# trace the library's Python: locks, driver calls), and autograd runs the registered backward.
+# A group travels as its name ("" for None); the ops resolve it in Python, outside tracing.
+@torch.library.custom_op("overlap::matmul_collective", mutates_args=())
+def _matmul_collective_op(
+    x: torch.Tensor, w: torch.Tensor, collective: str, group: str, op: str, backend: str,
+    chunks: int | None, sends: list[int] | None = None, receives: list[int] | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """``matmul_collective`` as a custom op; ``group``: the group's name, "" for None;
+    ``sends``, ``receives``: the all-to-all's split sizes (left out for equal splits)."""
+    pg = group_of(group)
+    if sends is not None:
+        splits = check_splits(x, collective, sends, receives, pg)
+        return exchange.split_forward(x, w, pg, None, backend, chunks, *splits)
+    return run_after(x, w, collective, pg, op, None, backend, chunks, collective)
+
+
+@_matmul_collective_op.register_fake
+def _(x, w, collective_name, group, op, backend, chunks, sends=None, receives=None):
+    if sends is not None:
+        return x.new_empty(sum(receives), w.shape[1])
+    R = world(group_of(group))
+    return x.new_empty(collective(collective_name).result_shape(tuple(x.shape), w.shape[1], R))
+
+
+@torch.library.custom_op("overlap::matmul_collective_backward", mutates_args=())
+def _backward_op(
+    g: torch.Tensor, x: torch.Tensor, w: torch.Tensor, collective_name: str, group: str, op: str,
+    need_dx: bool, need_dw: bool, g_x: torch.Tensor | None = None,
+    sends: list[int] | None = None, receives: list[int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``(dx [.., K], dw [K, N])`` of ``matmul_collective`` or ``all_gather_matmul`` (empty
+    where not needed), with tensor parallelism's conventions (Megatron's), from the
+    result's gradient ``g``. ``x``: the forward's input (the all-gather's: ``x_full``, and
+    ``dx`` is then this rank's ``[m, K]``); ``g_x``: the gradient of ``x_full`` where the
+    caller used it, else None; ``sends``, ``receives``: an uneven all-to-all's splits (its
+    backward is the all-to-all back, ``Collective.backward``).
+
+    Where the collective has a ``dual`` (``overlap/collectives.py``), ``dx`` is the dual's
+    overlapped matmul of ``g`` and ``w^T``: reduce-scatter's is ``all_gather_matmul(g, w^T)``,
+    whose gathered ``g`` gives ``dw = x^T g_full``; the all-gather's is
+    ``matmul_reduce_scatter(g, w^T)`` (plus the reduce-scatter of ``g_x``). Otherwise the
+    product's gradient is ``Collective.backward(g)`` (plain), then ``dx = g_P w^T``,
+    ``dw = x^T g_P``. ``op="avg"`` scales ``g`` by ``1 / R`` first."""
+    pg = group_of(group)
+    R = world(pg)
+    spec = collective(collective_name)
+    g2 = g.reshape(-1, w.shape[1]).contiguous()
+    x2 = x.reshape(-1, x.shape[-1])
+    if op == "avg" and R > 1:
+        g2 = g2 / R
+    dx = x.new_empty(0)
+    if R == 1:
+        gp = g2
+    elif spec.before:  # x is x_full: dx is this rank's rows of the reduce-scattered sum
+        gp = g2
+        if need_dx:
+            dx = run_after(g2, w.t(), spec.dual, pg, "sum", None, "auto", None, spec.dual)
+            if g_x is not None:  # x_full was used: its gradient, reduce-scattered (plain)
+                part = torch.empty_like(dx)
+                collective(spec.dual).plain(g_x.contiguous(), part, pg)
+                dx += part
+        need_dx = False
+    elif spec.dual is not None:  # reduce-scatter: dx = all_gather_matmul(g, w^T)
+        if need_dx:
+            dx, gp = run_before(g2, w.t(), pg, None, "auto", None, need_dw)
+            dx = dx.reshape(x.shape)
+        else:
+            gp = g2.new_empty(g2.shape[0] * R, g2.shape[1])
+            collective(spec.dual).plain(g2, gp, pg)
+        need_dx = False
+    else:
+        gp = spec.backward(g2, pg, None if sends is None else (sends, receives))
+    if need_dx:
+        dx = (gp @ w.t()).reshape(x.shape)
+    dw = x2.t() @ gp if need_dw else w.new_empty(0)
+    return dx, dw
+
+
+@_backward_op.register_fake
+def _(g, x, w, collective_name, group, op, need_dx, need_dw, g_x=None, sends=None, receives=None):
+    dx_shape = x.shape
+    if collective(collective_name).before:
+        dx_shape = (x.shape[0] // world(group_of(group)), x.shape[1])
+    return (x.new_empty(dx_shape if need_dx else 0), w.new_empty(w.shape if need_dw else 0))
+
+
+def _setup(ctx, inputs, output) -> None:
+    x, w, ctx.collective, ctx.group, ctx.op = inputs[:5]
+    ctx.splits = tuple(inputs[7:])  # (sends, receives) of an uneven all-to-all, or ()
+    ctx.save_for_backward(x, w)
+
+
+def _backward(ctx, g):
+    x, w = ctx.saved_tensors
+    need_dx, need_dw = ctx.needs_input_grad[:2]
+    extra = (None, *ctx.splits) if ctx.splits and ctx.splits[0] is not None else ()
+    dx, dw = _backward_op(g, x, w, ctx.collective, ctx.group, ctx.op, need_dx, need_dw, *extra)
+    return (dx if need_dx else None, dw if need_dw else None,
+            *([None] * (len(ctx.needs_input_grad) - 2)))  # fmt: skip
+
+
+_matmul_collective_op.register_autograd(_backward, setup_context=_setup)

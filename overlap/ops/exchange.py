@@ -1,0 +1,435 @@
+"""The uneven exchanges: the all-to-all with split sizes after a matmul
+(``matmul_all_to_all``'s splits), the MoE combine (``grouped_matmul_all_to_all``) and dispatch
+(``all_to_all_grouped_matmul``), with their custom ops and backward.
+
+The producer is cuBLAS per band: band ``c`` of every destination's block is computed into the
+chunk-major slot layout of ``plan.band_rows`` (chunk ``c``: band ``c`` of every block), an
+event after each; a transport that declares ``uneven`` (``comm.select_uneven``: NCCL per
+chunk) sends each chunk once its event has passed (``Transport.run_splits``). The dispatch is
+the mirror: the exchange first, each received band multiplied once its event has passed.
+Plans: ``plan.SplitPlan`` (``_engine.split_plan``).
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import math
+
+import torch
+import torch.distributed as dist
+
+from .. import comm, guard, stats
+from ..collectives import collective
+from ..context import context
+from ..plan import band_rows
+from ._engine import (
+    capturing,
+    check_chunks,
+    check_operands,
+    check_out,
+    check_splits,
+    group_of,
+    needs_grad,
+    split_plan,
+    via_op,
+    world,
+)
+
+
+def split_forward(
+    x, w, group, out, backend, chunks, sends, receives, runs=None, label="matmul_all_to_all"
+) -> torch.Tensor:
+    """``matmul_collective`` all-to-all with uneven splits (checked): cuBLAS computes the
+    product chunk by chunk into the slot layout of ``plan.band_rows`` (chunk ``c``: band ``c``
+    of every destination's block), an event after each; NCCL per chunk sends each chunk
+    once its event has passed (``NcclTransport.run_splits``); one gather puts the received
+    rows in order. ``runs`` (``ExpertRuns``): ``w`` is ``[E, K, N]`` and each run of rows
+    uses its expert's matrix (the MoE combine)."""
+    M, K, N = math.prod(x.shape[:-1]), x.shape[-1], w.shape[-1]
+    x2 = x.reshape(M, K)
+    out = _split_out(out, (sum(receives), N), x)
+    call = _SplitCall(x, group, backend, chunks, sends, receives, N, K, label)
+    if call.ctx is None:
+        _product(x2, w, out, slice(0, M), slice(0, M), runs)
+        return out
+    p, s, n = call.plan, call.stream, call.plan.n_chunks
+    y, recv = x.new_empty(M, N), x.new_empty(sum(receives), N)
+    try:
+        for c, rows in enumerate(band_rows(sends, n)):
+            for std, slot in rows:
+                _product(x2, w, y, std, slot, runs)
+            call.mark(c, call.caller)
+        call.transport.run_splits(p, y, recv, call.waiter(s), lambda c: None, s)
+        with torch.cuda.stream(s) if s is not None else contextlib.nullcontext():
+            order = call.transport.order(receives, n, x.device, to_slots=False)
+            torch.index_select(recv, 0, order, out=out)
+    finally:
+        call.end(x)
+    return out
+
+
+def dispatch_forward(x, w, group, out, backend, chunks, sends, receives, runs, keep):
+    """``all_to_all_grouped_matmul`` (checked): ``x`` put into the slot layout of the sends,
+    NCCL per chunk exchanges band ``c`` of every block, an event after each; the caller
+    stream waits for each chunk and multiplies its received rows (``runs``: ids of the
+    received rows) straight into ``out``. Returns ``(out, received x [sum(receives), K])``,
+    the second empty unless ``keep``."""
+    M, K, N = math.prod(x.shape[:-1]), x.shape[-1], w.shape[-1]
+    x2 = x.reshape(M, K)
+    rows = sum(receives)
+    out = _split_out(out, (rows, N), x)
+    call = _SplitCall(x, group, backend, chunks, sends, receives, N, K,
+                      "all_to_all_grouped_matmul")  # fmt: skip
+    if call.ctx is None:
+        _product(x2, w, out, slice(0, M), slice(0, M), runs)
+        return out, (x2 if keep else x.new_empty(0))
+    p, s, n = call.plan, call.stream, call.plan.n_chunks
+    t = call.transport
+    recv = x.new_empty(rows, K)
+    try:
+        send = x2.index_select(0, t.order(sends, n, x.device, to_slots=True))
+        if s is not None:
+            s.wait_stream(call.caller)  # `send` is made on the caller stream
+        t.run_splits(p, send, recv, lambda c: None, lambda c: call.mark(c, s), s)
+        for c, bands in enumerate(band_rows(receives, n)):
+            call.waiter(call.caller)(c)
+            for std, slot in bands:
+                _product(recv, w, out, slot, std, runs, ids_at_dst=True)
+        full = recv.index_select(0, t.order(receives, n, x.device, to_slots=False)) if keep \
+            else x.new_empty(0)  # fmt: skip
+    finally:
+        call.end(x)
+    return out, full
+
+
+def _split_out(out, shape, x) -> torch.Tensor:
+    if out is None:
+        return x.new_empty(shape)
+    check_out(out, shape, x)
+    return out
+
+
+class _SplitCall:
+    """What an uneven all-to-all call of either direction sets up: its plan (validated when
+    validation is on), and off world size 1 the context, transport, streams and events
+    (``ctx`` is None at world size 1)."""
+
+    def __init__(self, x, group, backend, chunks, sends, receives, N, K, label: str) -> None:
+        self.plan = split_plan(sends, receives, N, K, chunks, backend)
+        self.ctx = self.stream = self.caller = self.events = None
+        if self.plan.world_size == 1:
+            stats.count(label, "plain: world size 1: nothing to communicate")
+            return
+        stats.count(label, f"overlap via {self.plan.transport}")
+        self.ctx = context(group, x.device)
+        self.validating = guard.validating()
+        if self.validating:
+            p = self.plan
+            guard.agree(group, guard.fingerprint(p, x.dtype, "sum"), p.describe(), p.splits)
+        self.transport = self.ctx.transport(comm.select_uneven(backend))
+        self.stream = self.ctx.comm_stream
+        if self.stream is not None:
+            self.caller = torch.cuda.current_stream(x.device)
+            self.events = self.transport.events(self.plan.n_chunks)
+            self.stream.wait_stream(self.caller)
+
+    def mark(self, c: int, stream) -> None:
+        """Chunk ``c`` is done on ``stream`` (an event; nothing on CPU)."""
+        if self.events is not None:
+            self.events[c].record(stream)
+
+    def waiter(self, stream):
+        """``wait(c)``: ``stream`` waits for chunk ``c``'s mark."""
+        if stream is None:
+            return lambda c: None
+        return lambda c: stream.wait_event(self.events[c])
+
+    def end(self, x) -> None:
+        """The caller waits for the communication stream; validation mode's watch."""
+        if self.stream is None:
+            return
+        self.caller.wait_stream(self.stream)
+        if self.validating and not capturing(x):
+            guard.watch(self.stream, self.transport.abort, self.plan.describe())
+
+
+def _product(x2, w, y, src: slice, dst: slice, runs, ids_at_dst: bool = False) -> None:
+    """``y[dst] = x2[src] @ w`` (equal lengths); with ``runs``, row by row ``@ w[expert]``:
+    one matmul per run of equal expert ids, which index the source rows (or with
+    ``ids_at_dst`` the destination rows)."""
+    if dst.stop == dst.start:
+        return
+    if runs is None:
+        torch.matmul(x2[src], w, out=y[dst])
+        return
+    at, other = (dst, src) if ids_at_dst else (src, dst)
+    shift = other.start - at.start
+    for a, b, e in runs.within(at.start, at.stop):
+        ya, xa = (a, a + shift) if ids_at_dst else (a + shift, a)
+        torch.matmul(x2[xa : xa + b - a], w[e], out=y[ya : ya + b - a])
+
+
+class ExpertRuns:
+    """Maximal runs of equal expert ids over the rows, read on the host once per call:
+    ``(start, stop, expert)``; rows sorted by expert within each destination's block make
+    one run per (block, expert)."""
+
+    def __init__(self, expert_ids: torch.Tensor, experts: int) -> None:
+        ids = expert_ids.reshape(-1).to("cpu", torch.int64)  # (a host sync, once per call)
+        if ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < experts):
+            raise ValueError(f"expert_ids must lie in [0, {experts}) (w has {experts} experts), "
+                             f"got values in [{int(ids.min())}, {int(ids.max())}]")  # fmt: skip
+        cuts = [0, *((ids[1:] != ids[:-1]).nonzero().flatten() + 1).tolist(), ids.numel()]
+        cuts = cuts if ids.numel() else [0]  # no rows: no runs
+        self.starts = cuts[:-1]
+        self.runs = [(a, b, int(ids[a])) for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
+
+    def within(self, start: int, stop: int) -> list[tuple[int, int, int]]:
+        """The runs clipped to rows ``[start, stop)``."""
+        i = max(bisect.bisect_right(self.starts, start) - 1, 0)
+        out = []
+        for a, b, e in self.runs[i:]:
+            if a >= stop:
+                break
+            if b > start:
+                out.append((max(a, start), min(b, stop), e))
+        return out
+
+
+def grouped_matmul_all_to_all(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    expert_ids: torch.Tensor,
+    *,
+    input_split_sizes: list[int],
+    output_split_sizes: list[int],
+    group: dist.ProcessGroup | None = None,
+    out: torch.Tensor | None = None,
+    backend: str = "auto",
+    chunks: int | None = None,
+) -> torch.Tensor:
+    """The MoE combine: every row through its expert, then an uneven all-to-all, overlapped
+    band by band (as ``matmul_all_to_all`` with splits).
+
+    Equals ``all_to_all_single(out, y, output_split_sizes, input_split_sizes)`` with
+    ``y[i] = x[i] @ w[expert_ids[i]]``.
+
+    Args:
+        x: ``[M, K]`` (leading dims flattened), rows ordered by destination rank
+            (``input_split_sizes[j]`` rows for rank ``j``); fp16, bf16 or fp32.
+        w: ``[E, K, N]``, this rank's ``E`` experts, same dtype and device (any strides in
+            the last two dims: ``weight.transpose(1, 2)`` of ``[E, N, K]`` is fine).
+        expert_ids: ``[M]`` integer tensor, each row's expert in ``[0, E)``. It is read on the
+            host once per call (a synchronization with its producer); rows sorted by expert
+            within each destination's block make one matmul per (band, expert).
+        input_split_sizes, output_split_sizes: rows sent to and received from each rank.
+        group, out, backend, chunks: as in ``matmul_collective`` (NCCL per chunk only).
+
+    Returns:
+        ``[sum(output_split_sizes), N]``, block ``s`` from rank ``s``. Differentiable in
+        ``x`` and ``w`` (the backward sends the gradient back, then per expert
+        ``dx = g w_e^T``, ``dw_e = x_e^T g``; plain torch ops); a custom op under
+        ``torch.compile``.
+
+    Raises:
+        TypeError, ValueError: wrong types, dtypes, devices or shapes (naming the argument),
+            splits that do not fit (``matmul_collective``), expert ids out of range.
+    """
+    check_chunks(chunks)
+    sends, receives = _check_grouped(x, w, expert_ids, input_split_sizes, output_split_sizes,
+                                     backend, group, received=False)  # fmt: skip
+    gname = via_op(x, w, out, group)
+    if gname is not None:
+        return torch.ops.overlap.grouped_matmul_all_to_all(
+            x, w, expert_ids, gname, backend, chunks, list(sends), list(receives)
+        )
+    runs = ExpertRuns(expert_ids, w.shape[0])
+    return split_forward(x, w, group, out, backend, chunks, sends, receives, runs,
+                         "grouped_matmul_all_to_all")  # fmt: skip
+
+
+@torch.library.custom_op("overlap::grouped_matmul_all_to_all", mutates_args=())
+def _grouped_op(
+    x: torch.Tensor, w: torch.Tensor, expert_ids: torch.Tensor, group: str, backend: str,
+    chunks: int | None, sends: list[int], receives: list[int],
+) -> torch.Tensor:  # fmt: skip
+    """``grouped_matmul_all_to_all`` as a custom op (``group``: its name, "" for None)."""
+    runs = ExpertRuns(expert_ids, w.shape[0])
+    pg = group_of(group)
+    return split_forward(x, w, pg, None, backend, chunks, tuple(sends), tuple(receives), runs,
+                         "grouped_matmul_all_to_all")  # fmt: skip
+
+
+@_grouped_op.register_fake
+def _(x, w, expert_ids, group, backend, chunks, sends, receives):
+    return x.new_empty(sum(receives), w.shape[-1])
+
+
+@torch.library.custom_op("overlap::grouped_matmul_all_to_all_backward", mutates_args=())
+def _grouped_backward_op(
+    g: torch.Tensor, x: torch.Tensor, w: torch.Tensor, expert_ids: torch.Tensor, group: str,
+    sends: list[int], receives: list[int], need_dx: bool, need_dw: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``(dx, dw)`` of ``grouped_matmul_all_to_all`` (empty where not needed): the result's
+    gradient sent back (the inverse all-to-all), then per run of an expert's rows. Empty
+    ``sends``: no exchange (``x`` are the dispatch's received rows, ``g`` theirs)."""
+    pg = group_of(group)
+    g2 = g.reshape(-1, w.shape[-1]).contiguous()
+    exchange = sends and world(pg) > 1  # (empty splits: the dispatch's rows, no exchange)
+    gp = collective("all_to_all").backward(g2, pg, (sends, receives)) if exchange else g2
+    x2 = x.reshape(-1, x.shape[-1])
+    dx = torch.empty_like(x2) if need_dx else x.new_empty(0)
+    dw = torch.zeros_like(w) if need_dw else w.new_empty(0)
+    for a, b, e in ExpertRuns(expert_ids, w.shape[0]).runs:
+        if need_dx:
+            torch.matmul(gp[a:b], w[e].t(), out=dx[a:b])
+        if need_dw:
+            dw[e] += x2[a:b].t() @ gp[a:b]
+    return dx.reshape(x.shape) if need_dx else dx, dw
+
+
+@_grouped_backward_op.register_fake
+def _(g, x, w, expert_ids, group, sends, receives, need_dx, need_dw):
+    return x.new_empty(x.shape if need_dx else 0), w.new_empty(w.shape if need_dw else 0)
+
+
+def _grouped_setup(ctx, inputs, output) -> None:
+    x, w, expert_ids, ctx.group, _, _, ctx.sends, ctx.receives = inputs
+    ctx.save_for_backward(x, w, expert_ids)
+
+
+def _grouped_backward(ctx, g):
+    x, w, expert_ids = ctx.saved_tensors
+    need_dx, need_dw = ctx.needs_input_grad[:2]
+    dx, dw = _grouped_backward_op(g, x, w, expert_ids, ctx.group, ctx.sends, ctx.receives,
+                                  need_dx, need_dw)  # fmt: skip
+    return (dx if need_dx else None, dw if need_dw else None, *([None] * 6))
+
+
+_grouped_op.register_autograd(_grouped_backward, setup_context=_grouped_setup)
+
+
+def _check_grouped(x, w, expert_ids, sends, receives, backend, group, received: bool):
+    """The checks of the two MoE ops; ``expert_ids`` has one id per row of ``x``, or with
+    ``received`` per received row. Returns the splits as tuples."""
+    if not isinstance(w, torch.Tensor) or w.dim() != 3 or w.shape[0] < 1:
+        raise ValueError(f"w must be [E, K, N] with E >= 1, got {getattr(w, 'shape', w)}")
+    check_operands(x, w[0], "all_to_all", "sum", backend, group)
+    splits = check_splits(x, "all_to_all", sends, receives, group)
+    rows = sum(splits[1]) if received else math.prod(x.shape[:-1])
+    what = "received row" if received else "row of x"
+    if not isinstance(expert_ids, torch.Tensor) or expert_ids.is_floating_point() or (
+        expert_ids.numel() != rows
+    ):  # fmt: skip
+        got = getattr(expert_ids, "shape", expert_ids)
+        raise ValueError(
+            f"expert_ids must be an integer tensor with one id per {what} ({rows}), got {got}"
+        )
+    return splits
+
+
+def all_to_all_grouped_matmul(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    expert_ids: torch.Tensor,
+    *,
+    input_split_sizes: list[int],
+    output_split_sizes: list[int],
+    group: dist.ProcessGroup | None = None,
+    out: torch.Tensor | None = None,
+    backend: str = "auto",
+    chunks: int | None = None,
+) -> torch.Tensor:
+    """The MoE dispatch: an uneven all-to-all of the tokens, then every received row through
+    its local expert, overlapped band by band (each band multiplied as soon as it has
+    arrived; the mirror of ``grouped_matmul_all_to_all``).
+
+    Equals ``y[i] = r[i] @ w[expert_ids[i]]`` with
+    ``r = all_to_all_single(x, output_split_sizes, input_split_sizes)``.
+
+    Args:
+        x: ``[M, K]`` (leading dims flattened), rows ordered by destination rank.
+        w: ``[E, K, N]``, this rank's experts (any strides in the last two dims).
+        expert_ids: ``[sum(output_split_sizes)]`` integer tensor: the local expert of each
+            *received* row, in the received order (block ``s`` from rank ``s``). Read on the
+            host once per call; sorted by expert within each source's block is fastest.
+        input_split_sizes, output_split_sizes, group, out, backend, chunks: as in
+            ``grouped_matmul_all_to_all``.
+
+    Returns:
+        ``[sum(output_split_sizes), N]``. Differentiable in ``x`` and ``w`` (the backward
+        multiplies per expert, then sends ``dx`` back; plain torch ops); a custom op under
+        ``torch.compile``.
+
+    Raises:
+        TypeError, ValueError: as ``grouped_matmul_all_to_all``'s.
+    """
+    check_chunks(chunks)
+    sends, receives = _check_grouped(x, w, expert_ids, input_split_sizes, output_split_sizes,
+                                     backend, group, received=True)  # fmt: skip
+    gname = via_op(x, w, out, group)
+    if gname is not None:
+        return torch.ops.overlap.all_to_all_grouped_matmul(
+            x, w, expert_ids, gname, backend, chunks, list(sends), list(receives),
+            needs_grad(x, w),
+        )[0]  # fmt: skip
+    runs = ExpertRuns(expert_ids, w.shape[0])
+    return dispatch_forward(x, w, group, out, backend, chunks, sends, receives, runs, False)[0]
+
+
+@torch.library.custom_op("overlap::all_to_all_grouped_matmul", mutates_args=())
+def _dispatch_op(
+    x: torch.Tensor, w: torch.Tensor, expert_ids: torch.Tensor, group: str, backend: str,
+    chunks: int | None, sends: list[int], receives: list[int], keep: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``all_to_all_grouped_matmul`` as a custom op: ``(result, received x)`` (the second
+    empty unless ``keep``: the weight gradient needs it)."""
+    runs = ExpertRuns(expert_ids, w.shape[0])
+    return dispatch_forward(x, w, group_of(group), None, backend, chunks, tuple(sends),
+                             tuple(receives), runs, keep)  # fmt: skip
+
+
+@_dispatch_op.register_fake
+def _(x, w, expert_ids, group, backend, chunks, sends, receives, keep):
+    rows = sum(receives)
+    return x.new_empty(rows, w.shape[-1]), x.new_empty((rows, x.shape[-1]) if keep else 0)
+
+
+def _dispatch_setup(ctx, inputs, output) -> None:
+    x, w, expert_ids, ctx.group, _, _, ctx.sends, ctx.receives, _ = inputs
+    ctx.x_shape = x.shape
+    ctx.save_for_backward(output[1], w, expert_ids)
+    ctx.set_materialize_grads(False)
+
+
+def _dispatch_backward(ctx, g, _g_received):
+    received, w, expert_ids = ctx.saved_tensors
+    need_dx, need_dw = ctx.needs_input_grad[:2]
+    if g is None:
+        return (None,) * 9
+    # the combine's backward of the received rows, exchanged the other way
+    dz, dw = _grouped_backward_op(g, received, w, expert_ids, ctx.group, [], [], need_dx,
+                                  need_dw)  # fmt: skip
+    dx = None
+    if need_dx:
+        dx = torch.ops.overlap.all_to_all_back(dz, ctx.group, ctx.sends, ctx.receives)
+        dx = dx.reshape(ctx.x_shape)
+    return (dx, dw if need_dw else None, *([None] * 7))
+
+
+@torch.library.custom_op("overlap::all_to_all_back", mutates_args=())
+def _all_to_all_back(
+    g: torch.Tensor, group: str, sends: list[int], receives: list[int]
+) -> torch.Tensor:
+    """The gradient of the uneven exchange: ``g`` (received rows) sent back to their
+    senders, ``[sum(sends), K]``."""
+    return collective("all_to_all").backward(g.contiguous(), group_of(group), (sends, receives))
+
+
+@_all_to_all_back.register_fake
+def _(g, group, sends, receives):
+    return g.new_empty(sum(sends), g.shape[-1])
+
+
+_dispatch_op.register_autograd(_dispatch_backward, setup_context=_dispatch_setup)
