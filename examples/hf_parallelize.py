@@ -4,7 +4,7 @@
 
 Spawns 2 CPU ranks (gloo; the kernels run in Triton's interpreter), builds a tiny Llama from
 its config (no download), parallelizes a copy with sequence parallelism and compares its
-logits with the whole model's. Needs ``transformers``.
+logits with the whole model's, then which path the calls took. Needs ``transformers``.
 """
 
 import copy
@@ -32,6 +32,8 @@ def run(rank: int, init_file: str) -> None:
     print(f"rank {rank}: q_proj {type(q).__name__} weight {list(q.weight.shape)}, "
           f"max |logits - unsharded logits| {err:.1e}", flush=True)  # fmt: skip
     assert err < 1e-5
+    if rank == 0:
+        print(overlap.stats(), flush=True)  # which path the layers' calls took
     dist.destroy_process_group()
 
 
