@@ -832,9 +832,10 @@ def _recorded_inputs(rank, R, seed, device="cuda"):
     other strides at the same address (a non-contiguous ``x``, a transposed ``w``), into the
     same ``out``, must compute from the new input; every call against float64, ``out``
     poisoned with NaN first, and each step's last call must have been a replay (else the
-    case tests nothing). ``matmul_collective`` (all-reduce) and ``all_gather_matmul`` (with
-    ``x_full``). ``device="cpu"``: the same cases on CPU ranks, not recorded
-    (tests/test_cache_keys.py checks the cases themselves there)."""
+    case tests nothing). ``matmul_collective`` (all-reduce) and ``all_gather_matmul`` (without
+    ``return_gathered``: a new ``x_full`` at every call would make a new key).
+    ``device="cpu"``: the same cases on CPU ranks, not recorded (tests/test_cache_keys.py
+    checks the cases themselves there)."""
     import overlap
 
     cuda = device == "cuda"
@@ -903,12 +904,10 @@ def _recorded_inputs(rank, R, seed, device="cuda"):
 
     def all_gather(x, w):
         gathered.fill_(float("nan"))
-        return overlap.all_gather_matmul(x[:m], w, out=gathered, backend=backend, chunks=4,
-                                         return_gathered=True)  # fmt: skip
+        return (overlap.all_gather_matmul(x[:m], w, out=gathered, backend=backend, chunks=4),)
 
     def gather_ref(xs, ws):
-        full = torch.cat([x[:m].double() for x in xs])
-        return full @ ws[rank].double(), full
+        return (torch.cat([x[:m].double() for x in xs]) @ ws[rank].double(),)
 
     steps("all_gather_matmul", M, all_gather, gather_ref)
     return failures

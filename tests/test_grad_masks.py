@@ -221,8 +221,10 @@ def _bags(rank, R, seed):
 LAYERS = [
     (ColumnParallelLinear, {}),
     (ColumnParallelLinear, {"sequence_parallel": True}),
+    (ColumnParallelLinear, {"gather_output": True}),
     (RowParallelLinear, {}),
     (RowParallelLinear, {"sequence_parallel": True}),
+    (RowParallelLinear, {"input_is_parallel": False}),
 ]
 
 
@@ -249,13 +251,15 @@ def _layer(rank, R, seed, cls, kw, bias) -> list[str]:
     n = (fout if column else fin) // R
     mine = slice(rank * n, (rank + 1) * n)
     if column:  # output features split; sequence parallel: the input's tokens
+        out = slice(None) if kw.get("gather_output") else mine
         x = x_full[tokens]
-        want = {"y": yr[..., mine], "x": xr.grad[tokens], "weight": ref.weight.grad[mine],
+        want = {"y": yr[..., out], "x": xr.grad[tokens], "weight": ref.weight.grad[mine],
                 "bias": ref.bias.grad[mine] if bias else None}  # fmt: skip
-        g_mine = g_full[..., mine]
+        g_mine = g_full[..., out]
     else:  # input features split; sequence parallel: the output's tokens
-        x = x_full[..., mine]
-        want = {"y": yr[tokens], "x": xr.grad[..., mine], "weight": ref.weight.grad[:, mine],
+        cols = mine if kw.get("input_is_parallel", True) else slice(None)
+        x = x_full[..., cols]
+        want = {"y": yr[tokens], "x": xr.grad[..., cols], "weight": ref.weight.grad[:, mine],
                 "bias": ref.bias.grad if bias else None}  # fmt: skip
         g_mine = g_full[tokens]
     names = ("x", "weight", "bias") if bias else ("x", "weight")
