@@ -320,3 +320,19 @@ def test_single_process_masks():
 
     failures = _check(0, 1, "world size 1", leaves, forward, reference, 1, replicated=True)
     assert not failures, "\n".join(failures)
+
+
+def test_frozen_table_gets_no_dense_gradient(monkeypatch):
+    """A frozen embedding table's gradient is not made (it is as big as the table)."""
+    from overlap.ops import bags
+
+    made = []
+    grad = bags._bag_grad
+    monkeypatch.setattr(bags, "_bag_grad", lambda t, *a: made.append(t.shape) or grad(t, *a))
+    frozen, trained = torch.randn(50, 4), torch.randn(30, 6, requires_grad=True)
+    idx = [torch.tensor([3, 1, 4, 1, 5]), torch.tensor([9, 2, 6])]
+    off = [torch.tensor([0, 2]), torch.tensor([0, 1])]
+    overlap.embedding_bag_all_to_all([frozen, trained], idx, off).sum().backward()
+    assert made == [trained.shape] and frozen.grad is None
+    ref = torch.zeros(30, 6).index_add_(0, idx[1], torch.ones(3, 6))
+    torch.testing.assert_close(trained.grad, ref)
