@@ -828,14 +828,14 @@ def test_cuda_graph_host_road_one_gpu(monkeypatch):
 
 def _recorded_inputs(rank, R, seed, device="cuda"):
     """2 ranks on GPU 0 over gloo (copy engines, host road): a recorded call (its CUDA graph
-    replayed from its third sighting) whose input moves to a new address, or is read with
-    other strides at the same address (a non-contiguous ``x``, a transposed ``w``), into the
-    same ``out``, must compute from the new input; every call against float64, ``out``
-    poisoned with NaN first, and each step's last call must have been a replay (else the
-    case tests nothing). ``matmul_collective`` (all-reduce) and ``all_gather_matmul`` (without
-    ``return_gathered``: a new ``x_full`` at every call would make a new key).
-    ``device="cpu"``: the same cases on CPU ranks, not recorded (tests/test_cache_keys.py
-    checks the cases themselves there)."""
+    replayed from its third sighting with the same buffers) whose input moves to a new
+    address, or is read with other strides at the same address (a non-contiguous ``x``, a
+    transposed ``w``), into the same ``out``, must compute from the new input; every call
+    against float64, ``out`` poisoned with NaN first, and each step's last call must have
+    been a replay (else the case tests nothing). ``matmul_collective`` (all-reduce) and
+    ``all_gather_matmul`` (without ``return_gathered``: a new ``x_full`` at every call would
+    make a new key). ``device="cpu"``: the same cases on CPU ranks, not recorded
+    (tests/test_cache_keys.py checks the cases themselves there)."""
     import overlap
 
     cuda = device == "cuda"
@@ -881,7 +881,9 @@ def _recorded_inputs(rank, R, seed, device="cuda"):
             x, w = view(xb[1], rows, K, xt), view(wb[1], K, N, wt)
             refs = reference(xs, ws)
             before = counted(op, "replayed" if cuda else "")
-            for i in range(3):  # eager, recorded (captured), replayed
+            # eager; eager again where the first call sized the transport's buffers (a new
+            # generation: the record starts over); captured and replayed; replayed
+            for i in range(4):
                 got = call(x, w)
                 for j, (y, ref) in enumerate(zip(got, refs, strict=True)):
                     why = mismatch(y, ref.to(dev), TOL[torch.float32])
