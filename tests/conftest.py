@@ -26,7 +26,20 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 QUICK = (
     "tests/test_plan.py",
     "tests/test_errors.py",
-    "tests/test_layout.py",
+    "tests/test_install.py",
+    "tests/test_layout.py::test_no_import_cycles",
+    "tests/test_layout.py::test_layers_import_what_they_may",
+    "tests/test_kernel.py::test_nan_and_inf_land_where_the_product_has_them",
+    "tests/test_kernel.py::test_counter_short_of_its_target_raises",
+    "tests/test_kernel.py::test_kernel_alone_is_the_calls_kernel",
+    "tests/test_transport.py::test_all_gather_protocol",
+    "tests/test_distributed.py::test_two_ranks_all_collectives",
+    "tests/test_autograd.py::test_backward_single_process_matches_torch",
+    "tests/test_all_gather.py::test_forward_two_ranks",
+    "tests/test_uneven.py::test_uneven_all_to_all[2]",
+    "tests/test_embedding.py::test_embedding_bag_all_to_all[2]",
+    "tests/test_nn.py::test_layers_match_the_unsharded_linear[2]",
+    "tests/test_example.py::test_readme_example_runs",
 )
 
 
