@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install overlap, and what it needs that this machine lacks, into the Python that
-# scripts/python runs (see there): an active venv or conda env, $PYTHON, or else python3; where
+# scripts/python runs (see there): $PYTHON, an active venv or conda env, or else python3; where
 # that is a distribution's own Python, which pip may not change (PEP 668), a new ./.venv.
 #
 # - A torch that imports is kept as it is: never replaced, upgraded or downgraded.
