@@ -344,9 +344,9 @@ def run_after(x, w, name, group, op, out, backend, chunks, label: str) -> torch.
     if sig is not None and sig in shapes:  # a recorded call again: no planning
         if out is None:
             out = torch.empty(shapes[sig][0], dtype=x.dtype, device=x.device)
-        name = _record.replay((sig, _record.outputs(out)))
-        if name is not None:
-            stats.count(label, "replayed via " + name)
+        replayed = _record.replay((sig, _record.outputs(out)))  # its transport's name
+        if replayed is not None:
+            stats.count(label, "replayed via " + replayed)
             return out
     p, ctx, cls = decide(x, w, name, group, chunks, backend, cap)
     R, M, N = p.world_size, p.M, p.N
@@ -470,9 +470,9 @@ def run_before(x, w, group, out, backend, chunks, keep: bool):
         out_shape, full_shape = shapes[sig]
         out = x.new_empty(out_shape) if out is None else out
         full = x.new_empty(full_shape)
-        name = _record.replay((sig, _record.outputs(out, full)))
-        if name is not None:
-            stats.count("all_gather_matmul", "replayed via " + name)
+        replayed = _record.replay((sig, _record.outputs(out, full)))
+        if replayed is not None:
+            stats.count("all_gather_matmul", "replayed via " + replayed)
             return out, full
     p, ctx, cls = decide(x, w, "all_gather", group, chunks, backend, cap)
     M, N, K, R = p.M, p.N, p.K, p.world_size
