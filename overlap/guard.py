@@ -231,7 +231,8 @@ def fingerprint(op: str, dtype: torch.dtype, sizes: dict[str, int | list], layou
     """What every rank must agree on for a call to be valid, no more: the op's identity
     (``op``: the op and its collective or reduction), ``dtype``, the ``sizes`` that change a
     message or the result (each op names its own: ``M`` and ``N`` after a matmul, the
-    gathered ``M`` and ``K`` before one, the exchanged rows' width of an uneven exchange),
+    gathered ``M`` and ``K`` before one, the ``width`` of an uneven exchange's rows: ``K``
+    for the MoE dispatch, ``N`` for the others; the embedding bags' ``bags`` and ``mode``),
     and the plan's ``layout`` (its transport and how it cuts the messages: ``Plan.layout``).
     Sizes that only change this rank's own matmul (``K`` after it, ``N`` before it) are left
     out: ranks may differ in them. An uneven exchange's rows differ by rank: ``agree`` checks

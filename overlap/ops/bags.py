@@ -136,7 +136,7 @@ def _bags_forward(tables, indices, offsets, group, mode, rank_dims, backend, chu
     # per chunk, elements (rows of width 1) received from and sent to every rank
     layout = [([(hi - lo) * d for d in rank_dims], [(hi - lo) * D] * R) for lo, hi in bands]
     sends, receives = tuple(b * D for _ in range(R)), tuple(b * d for d in rank_dims)
-    agreed = {"bags": B, "rank_dims": list(rank_dims), "mode": mode}  # (validation mode)
+    agreed = {"bags": B, "mode": mode}  # (validation; with the splits B implies rank_dims)
     call = _SplitCall(t0, group, backend, n, sends, receives, 1, 0, "embedding_bag_all_to_all",
                       agreed)  # fmt: skip
     p, s, out = call.plan, call.stream, t0.new_empty(b, sum(rank_dims))

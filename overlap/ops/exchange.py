@@ -152,7 +152,7 @@ class _SplitCall:
         self.validating = guard.validating()
         if self.validating:
             if agreed is None:  # the exchanged rows' width: the dispatch sends x, the rest x @ w
-                agreed = {"K": K} if label == "all_to_all_grouped_matmul" else {"N": N}
+                agreed = {"width": K if label == "all_to_all_grouped_matmul" else N}
             p = self.plan
             fp = guard.fingerprint(label, x.dtype, agreed, p.layout())
             guard.agree(group, fp, p.describe(), p.splits)
