@@ -162,7 +162,11 @@ class Rendezvous:
         except RuntimeError as e:  # the store's "Wait timeout", or a store that went away
             missing = [r for r, k in enumerate(keys) if not self.store.check([k])]
             why = f"rank(s) {missing} did not reach it within {timeout():g} s"
-            if self.store.compare_set(verdict, "", f"gave up: {why}") != b"met":
+            try:
+                seen = self.store.compare_set(verdict, "", f"gave up: {why}")
+            except RuntimeError:  # the store went away
+                seen = b""
+            if seen != b"met":
                 self.out_of_step = (n, why)
                 raise TimeoutError(
                     f"{what}: rank(s) {missing} of the group did not reach call #{n} within "
