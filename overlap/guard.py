@@ -4,13 +4,15 @@ Off by default (it costs a store round trip and a host synchronization per call)
 with ``overlap.configure(validate=True)``, ``OVERLAP_VALIDATE=1``, or
 ``TORCH_DISTRIBUTED_DEBUG=DETAIL``. When on, every call with more than one rank:
 
-1. Publishes a fingerprint of the call (collective, op, shapes, dtype, and the plan that
-   runs: its transport and chunks) in the default group's key-value store, under the group's
-   name and the call's number in that group, and waits up to ``timeout`` seconds for every
-   rank's fingerprint. A rank that does not arrive (dead, or stuck elsewhere) gives
-   ``TimeoutError`` naming it; ranks that disagree give ``RankMismatchError`` with every
-   rank's fingerprint. Both are raised before this call has launched anything, so the GPU is
-   never left waiting.
+1. Publishes a fingerprint of the call (``fingerprint``: the op, its dtype, the sizes every
+   rank must share, and the layout of the plan that runs: its transport and chunks) in the
+   default group's key-value store, under the group's name and the call's number in that
+   group (calls that make a host collective first, ``overlap.tune`` and
+   ``embedding_bag_all_to_all(rank_dims=None)``, agree before it), and waits up to
+   ``timeout`` seconds for every rank's fingerprint. A rank that does not arrive (dead, or
+   stuck elsewhere) gives ``TimeoutError`` naming it; ranks that disagree give
+   ``RankMismatchError`` with every rank's fingerprint. Both are raised before this call has
+   launched anything, so the GPU is never left waiting.
 2. After issuing the chunks, waits on the host up to ``timeout`` seconds for the last
    collective. If it does not finish (a peer died mid-call), the communicator is aborted, so
    that the GPU's streams are released, and ``TimeoutError`` is raised; the group is unusable
@@ -23,13 +25,19 @@ raises at once when a peer's connection closes, or after that timeout; torch's N
 aborts the communicator after it. The GEMM's counters cannot hang a stream by themselves: a
 chunk waits only for this rank's own GEMM, launched before the wait.
 
-Store keys: ``overlap/<group name>/<call number>/<rank>``; each rank deletes its key of call
-``n - 2`` once every rank has reached call ``n - 1`` (so every rank has read it).
+Store keys: ``overlap/<group name>/<call number>/<rank>`` and ``.../<call number>/verdict``
+(``Rendezvous``); each rank deletes its key of call ``n - 2`` once every rank has reached call
+``n - 1`` (so every rank has read it), rank 0 the verdict.
+
+After a ``TimeoutError`` at call ``n`` this rank's calls on the group raise ``RuntimeError``
+(saying so) until every rank has reached call ``n``: a late rank raises there too, and the
+ranks go on in step; a dead rank never does (a new process group is needed).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from datetime import timedelta
@@ -61,14 +69,19 @@ def configure(*, validate: bool | None = None, timeout: float | None = None) -> 
     Every rank of a group must use the same setting: validation is itself a rendezvous.
 
     Raises:
-        ValueError: ``timeout`` is not positive.
+        TypeError: ``validate`` is not a bool, or ``timeout`` not a number.
+        ValueError: ``timeout`` is not positive and finite.
     """
+    if validate is not None and not isinstance(validate, bool):
+        raise TypeError(f"validate must be a bool, got {type(validate).__name__}")
     if timeout is not None:
-        if not timeout > 0:
-            raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+            raise TypeError(f"timeout must be a number of seconds, got {type(timeout).__name__}")
+        if not 0 < timeout < math.inf:  # (False for NaN)
+            raise ValueError(f"timeout must be positive and finite seconds, got {timeout!r}")
         _settings["timeout"] = float(timeout)
     if validate is not None:
-        _settings["validate"] = bool(validate)
+        _settings["validate"] = validate
 
 
 def validating() -> bool:
@@ -89,16 +102,40 @@ def group_name(group: dist.ProcessGroup | None) -> str:
 class Rendezvous:
     """Per-group agreement through the default store (``agree`` keeps one per group name: the
     call numbers must go on across contexts and ``overlap.release``, or a new count would
-    meet the keys of old calls)."""
+    meet the keys of old calls).
+
+    Call ``n`` also has a verdict key, written once by whichever rank decides first
+    (``compare_set``): "met" by a rank that found every fingerprint, or "gave up" by a rank
+    whose wait timed out. So a rank that arrives after a peer gave up raises there too,
+    instead of launching collectives that peer never joins; once every rank has failed call
+    ``n`` their counts agree again. Until then (``out_of_step``) this rank's calls on the
+    group raise at once: their numbers would meet the keys of other calls."""
 
     def __init__(self, group: dist.ProcessGroup | None) -> None:
         self.store = dist.distributed_c10d._get_default_store()
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
-        self.prefix = f"overlap/{group_name(group)}/"
+        self.name = group_name(group)
+        self.prefix = f"overlap/{self.name}/"
         self.calls = 0
+        self.out_of_step: tuple[int, str] | None = None  # (call, why) after a timeout here
 
     def _key(self, n: int, r: int) -> str:
         return f"{self.prefix}{n}/{r}"
+
+    def _check_in_step(self) -> None:
+        """Raise while a call this rank gave up on has not been reached by every rank."""
+        n, why = self.out_of_step
+        if self.store.check([self._key(n, r) for r in range(self.size)]):
+            self.out_of_step = None  # every rank reached call n and failed it: in step again
+            return
+        raise RuntimeError(
+            f"overlap: group {self.name!r} fell out of step at call #{n} ({why}); this rank's "
+            f"later calls on it cannot be matched with the other ranks'. A rank that reaches "
+            f"call #{n} late raises there too, and then the ranks are in step again. If a rank "
+            "died or will not call again, every live rank must call overlap.release(group) "
+            "and go on with a new process group (dist.new_group, or destroy_process_group and "
+            "init_process_group again)."
+        )
 
     def agree(self, fingerprint: str, what: str, splits=None) -> None:
         """Publish this rank's fingerprint of call ``what`` and check every rank's; with
@@ -106,12 +143,17 @@ class Rendezvous:
         to each other is what that one receives from it.
 
         Raises:
-            TimeoutError: a rank did not publish within the timeout.
+            TimeoutError: a rank did not publish within the timeout, or gave up on this call
+                before this rank arrived.
             RankMismatchError: the fingerprints differ, or the splits do not match.
+            RuntimeError: this rank gave up on an earlier call that a peer has not reached.
         """
+        if self.out_of_step is not None:
+            self._check_in_step()
         n = self.calls
         self.calls += 1
         keys = [self._key(n, r) for r in range(self.size)]
+        verdict = f"{self.prefix}{n}/verdict"
         if splits is not None:
             fingerprint += f" splits={list(splits[0])}>{list(splits[1])}"
         self.store.set(keys[self.rank], fingerprint)
@@ -119,12 +161,26 @@ class Rendezvous:
             self.store.wait(keys, timedelta(seconds=timeout()))
         except RuntimeError as e:  # the store's "Wait timeout", or a store that went away
             missing = [r for r, k in enumerate(keys) if not self.store.check([k])]
-            raise TimeoutError(
-                f"{what}: rank(s) {missing} of the group did not reach call #{n} within "
-                f"{timeout():g} s (dead, or waiting elsewhere); nothing was launched. ({e})"
-            ) from e
+            why = f"rank(s) {missing} did not reach it within {timeout():g} s"
+            try:
+                seen = self.store.compare_set(verdict, "", f"gave up: {why}")
+            except RuntimeError:  # the store went away
+                seen = b""
+            if seen != b"met":
+                self.out_of_step = (n, why)
+                raise TimeoutError(
+                    f"{what}: rank(s) {missing} of the group did not reach call #{n} within "
+                    f"{timeout():g} s (dead, or waiting elsewhere); nothing was launched. ({e})"
+                ) from e
+        else:
+            seen = self.store.compare_set(verdict, "", "met").decode()
+            if seen != "met":
+                raise TimeoutError(f"{what}: a rank gave up on call #{n} before this rank "
+                                   f"arrived ({seen}); nothing was launched")  # fmt: skip
         if n >= 2:
             self.store.delete_key(self._key(n - 2, self.rank))
+            if self.rank == 0:  # (every rank read it: all have reached call n - 1)
+                self.store.delete_key(f"{self.prefix}{n - 2}/verdict")
         values = [v.decode() for v in self.store.multi_get(keys)]
         bad = any(v.split(" splits=")[0] != fingerprint.split(" splits=")[0] for v in values)
         if splits is not None and not bad:  # rank a sends rank b what b receives from a
@@ -175,13 +231,17 @@ def watch(stream: torch.cuda.Stream | None, abort, what: str) -> None:
         time.sleep(1e-4)
 
 
-def fingerprint(plan, dtype: torch.dtype, op: str) -> str:
-    """What must be equal on every rank for a call to be valid: the collective, shapes, dtype,
-    op and the plan that runs (path, transport, layout, tiles per chunk and tiles). An
-    uneven all-to-all's ``M`` differs by rank: its splits are checked instead (``agree``)."""
-    M = "uneven" if plan.splits is not None else plan.M
-    return (
-        f"{plan.collective} op={op} M={M} N={plan.N} K={plan.K} {dtype} path={plan.path} "
-        f"transport={plan.transport} blocked={plan.blocked} chunks={plan.tiles_per_chunk} "
-        f"tiles={plan.tiles}"
-    )
+def fingerprint(op: str, dtype: torch.dtype, sizes: dict[str, int | list], layout: str) -> str:
+    """What every rank must agree on for a call to be valid, no more: the op's identity
+    (``op``: the op and its collective or reduction), ``dtype``, the ``sizes`` that change a
+    message or the result (each op names its own: ``M`` and ``N`` after a matmul, the
+    gathered ``M`` and ``K`` before one, the ``width`` of an uneven exchange's rows: ``K``
+    for the MoE dispatch, ``N`` for the others; the embedding bags' ``bags`` and ``mode``),
+    and the plan's ``layout`` (its transport and how it cuts the messages: ``Plan.layout``).
+    Sizes that only change this rank's own matmul (``K`` after it, ``N`` before it) are left
+    out: ranks may differ in them. An uneven exchange's rows differ by rank: ``agree`` checks
+    its splits instead.
+
+    Format: ``"<op> <dtype> <name>=<size>... <layout>"``."""
+    return " ".join([op, str(dtype).removeprefix("torch."),
+                     *(f"{k}={v}" for k, v in sizes.items()), layout])  # fmt: skip

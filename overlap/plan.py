@@ -192,20 +192,14 @@ class Plan:
         r, i = divmod(q, self.band_run_rows(a))
         return r * self.rank_block_rows + a * self.run_rows + i
 
-    @functools.cached_property
-    def shard_bands(self) -> tuple[tuple[int, int, tuple[int, ...]], ...]:
-        """All-gather plans: ``(q, h, chunks)`` per band of the shards, in the order the
-        consumer multiplies them: rows ``[q, q + h)`` of every rank's shard (rows
-        ``[s M / R + q, ... + h)`` of the gathered input and of the result for rank ``s``)
-        have arrived once ``chunks`` have. In the gathered buffer they are
-        ``buffer[R q : R (q + h)]`` viewed ``[R, h, K]`` (NCCL's slots), or for blocked plans
-        (the copy engines' standard layout) ``buffer`` viewed ``[R, M / R, K]``, rows
-        ``[q, q + h)``; the blocked plan's chunk ``s b + k`` is band ``k`` of rank ``s``."""
-        if self.blocked:
-            b, h, R = self.bands_per_block, self.run_rows, self.world_size
-            return tuple((k * h, h, tuple(s * b + k for s in range(R))) for k in range(b))
-        return tuple((a * self.run_rows, self.band_run_rows(a), (a,))
-                     for a in range(self.n_row_bands))  # fmt: skip
+    def layout(self) -> str:
+        """How the ranks' messages are cut, which every rank must share (validation's
+        fingerprint): "plain", or the transport, the row layout ("blocked": the copy engines'
+        rank blocks; "slots") and the rows and columns of a band."""
+        if self.path != "overlap":
+            return "plain"
+        rows = "blocked" if self.blocked else "slots"
+        return f"{self.transport} {rows} rows={self.run_rows} cols={self.chunk_cols}"
 
     def describe(self) -> str:
         """One line: the path, the transport, the chunks and tiles, and why."""
@@ -239,9 +233,11 @@ def make_plan(
     tiles: Tiles | None = None,
     blocked: bool = False,
     transport: str = "",
-) -> Plan:
+) -> Plan | GatherPlan:
     """Choose the chunk plan for ``[M, K] @ [K, N]`` followed by ``collective`` over
     ``world_size`` ranks, for the transport named ``transport`` (a label, ``Plan.transport``).
+    ``"all_gather"`` (before the matmul) gets ``make_gather_plan``'s ``GatherPlan``, which
+    uses neither ``N`` nor ``tiles``.
 
     ``chunks`` asks for about that many chunks (rounded to what the tiles allow); by default the
     plan aims at about two GEMM waves (``num_sms`` tiles each) per chunk, between 2 and 8 chunks:
@@ -262,6 +258,10 @@ def make_plan(
             divisible by ``world_size`` for a collective that splits rows by rank.
     """
     spec = _spec(collective)
+    if spec.before:  # the all-gather's plan (never N's: the ranks' N may differ)
+        return make_gather_plan(M, K, world_size=world_size, dtype_bits=dtype_bits,
+                                interpreter=interpreter, num_sms=num_sms, chunks=chunks,
+                                blocked=blocked, transport=transport)  # fmt: skip
     if chunks is not None and not 2 <= chunks <= MAX_CHUNKS:
         raise ValueError(f"chunks must be in [2, {MAX_CHUNKS}], got {chunks}")
     R = world_size
@@ -293,13 +293,10 @@ def make_plan(
     units = math.ceil(M // runs / t.block_m)  # tile rows per run if there were one band
     run_rows = math.ceil(units / min(chunks, units)) * t.block_m
     row_bands = math.ceil(M // runs / run_rows)
-    if blocked:  # (the all-gather's row bands count per shard)
-        bands = row_bands * R if spec.before else row_bands
-        return _blocked_plan(M, N, K, R, spec, t, bands, transport)
+    if blocked:
+        return _blocked_plan(M, N, K, R, spec, t, row_bands, transport)
     chunk_cols = tn * t.block_n
-    if row_bands < 2 and spec.before:
-        run_rows = M // runs  # one band: the shards travel while this rank's own is multiplied
-    elif row_bands < 2:
+    if row_bands < 2:
         # Too few rows to split: one row band of all M rows, split along N (decode shapes).
         if tn < 2:
             return _fallback(
@@ -324,6 +321,144 @@ def make_plan(
         tiles_per_chunk=tiles,
         transport=transport,
     )
+
+
+@dataclass(frozen=True)
+class GatherPlan:
+    """The all-gather's plan (``all_gather_matmul``): the consumer's gather bands. Every
+    rank's shard ``[M / R, K]`` travels in row bands of ``run_rows`` rows (all but the last);
+    the consumer multiplies each band of the other shards once it has arrived
+    (``shard_bands``). ``blocked`` (the copy engines): ``bands`` equal bands per shard, chunk
+    ``s * bands + k`` is band ``k`` of rank ``s``'s shard, landing in the standard layout
+    ``[R, M / R, K]``; else (NCCL) chunk ``k`` is band ``k`` of every shard, one all-gather
+    into the slot ``[R, h, K]`` (``chunk_slot``).
+
+    Made from ``M`` (the gathered rows), ``K``, ``R``, the dtype and the transport's layout
+    only, never ``N``: every rank gathers the same rows, whatever its weight's width.
+    """
+
+    path: str
+    reason: str
+    M: int  # gathered rows: R shards of M / R
+    K: int
+    world_size: int
+    run_rows: int = 0  # rows of every shard per band (all bands but the last)
+    blocked: bool = False
+    transport: str = ""
+    collective = "all_gather"
+
+    @functools.cached_property
+    def spec(self):  # -> overlap.collectives.Collective
+        return _spec(self.collective)
+
+    @functools.cached_property
+    def bands(self) -> int:
+        """Row bands of every shard."""
+        return math.ceil(self.M // self.world_size / self.run_rows) if self.run_rows else 0
+
+    @property
+    def bands_per_block(self) -> int:
+        """The copy engines' name of ``bands`` (row bands in each rank's block)."""
+        return self.bands
+
+    @property
+    def n_chunks(self) -> int:
+        return self.world_size * self.bands if self.blocked else self.bands
+
+    def band_run_rows(self, k: int) -> int:
+        """Rows of every shard in band ``k``."""
+        return min(self.run_rows, self.M // self.world_size - k * self.run_rows)
+
+    def chunk_slot(self, c: int) -> tuple[int, int, int, int, int]:
+        """NCCL's chunk ``c`` (band ``c`` of every shard): ``(offset, rows, K, row0, 0)``, its
+        slot is rows ``[row0, row0 + rows)`` of the gathered buffer ``[M, K]`` (``offset``:
+        its first element), ``[R, rows / R, K]`` in rank order."""
+        R = self.world_size
+        row0, rows = R * c * self.run_rows, R * self.band_run_rows(c)
+        return row0 * self.K, rows, self.K, row0, 0
+
+    @functools.cached_property
+    def shard_bands(self) -> tuple[tuple[int, int, tuple[int, ...]], ...]:
+        """``(q, h, chunks)`` per band, in the order the consumer multiplies them: rows
+        ``[q, q + h)`` of every rank's shard (rows ``[s M / R + q, ... + h)`` of the gathered
+        input and of the result for rank ``s``) have arrived once ``chunks`` have. In the
+        gathered buffer they are ``buffer[R q : R (q + h)]`` viewed ``[R, h, K]`` (NCCL's
+        slots), or for blocked plans ``buffer`` viewed ``[R, M / R, K]``, rows ``[q, q + h)``."""
+        b, h, R = self.bands, self.run_rows, self.world_size
+        if self.blocked:
+            return tuple((k * h, h, tuple(s * b + k for s in range(R))) for k in range(b))
+        return tuple((k * h, self.band_run_rows(k), (k,)) for k in range(b))
+
+    def layout(self) -> str:
+        """As ``Plan.layout``: "plain", or the transport, the row layout and band rows."""
+        if self.path != "overlap":
+            return "plain"
+        return f"{self.transport} {'blocked' if self.blocked else 'slots'} rows={self.run_rows}"
+
+    def describe(self) -> str:
+        """One line: the path, the transport, the bands, and why."""
+        if self.path != "overlap":
+            return f"all_gather {self.M}x{self.K}: fallback ({self.reason})"
+        return (f"all_gather {self.M}x{self.K} on {self.world_size} ranks through "
+                f"{self.transport or '?'}: {self.n_chunks} chunks ({self.bands} bands of "
+                f"{self.run_rows} rows of every shard); {self.reason}")  # fmt: skip
+
+
+@functools.lru_cache(maxsize=1024)
+def make_gather_plan(
+    M: int,
+    K: int,
+    *,
+    world_size: int,
+    dtype_bits: int,
+    interpreter: bool = False,
+    num_sms: int = 132,
+    chunks: int | None = None,
+    blocked: bool = False,
+    transport: str = "",
+) -> GatherPlan:
+    """The plan of an all-gather of ``R`` shards ``[M / R, K]`` before a matmul
+    (``GatherPlan``): about ``chunks`` chunks (by default what ``make_plan`` would choose for
+    a square ``[M, K] @ [K, K]``, 2 to 4: ``N`` is each rank's own and must not decide),
+    bands of whole tile rows; ``blocked``: equal bands per shard, ``R * bands`` chunks.
+
+    Raises:
+        ValueError: ``chunks`` outside [2, MAX_CHUNKS], or ``M`` not divisible by
+            ``world_size``.
+    """
+    if chunks is not None and not 2 <= chunks <= MAX_CHUNKS:
+        raise ValueError(f"chunks must be in [2, {MAX_CHUNKS}], got {chunks}")
+    R = world_size
+    if M % R:
+        raise ValueError(f"all_gather needs M ({M}) divisible by the world size ({R})")
+    why = None
+    if R == 1:
+        why = "world size 1: nothing to communicate"
+    elif M == 0 or K == 0:
+        why = "empty shards: nothing to gather"
+    elif chunks is None and not interpreter and 2 * M * K * K < MIN_OVERLAP_FLOPS:
+        why = (f"small gather ({2 * M * K * K:.2g} FLOP for N = K): per-call host work of the "
+               "overlapped path costs more than it can hide; pass chunks= to force it")  # fmt: skip
+    if why is not None:
+        return GatherPlan("fallback", why, M, K, R)
+    t = tiles_for(M, dtype_bits, interpreter)
+    if chunks is None:
+        tiles = math.ceil(M / t.block_m) * math.ceil(K / t.block_n)
+        chunks = max(2, min(4, round(tiles / (2 * num_sms))))
+    m = M // R
+    units = math.ceil(m / t.block_m)  # tile rows per shard
+    run_rows = math.ceil(units / min(chunks, units)) * t.block_m
+    bands = math.ceil(m / run_rows)
+    if blocked:  # equal bands: b divides the shard's rows
+        bands = max(1, min(bands, units, MAX_CHUNKS // R))
+        while m % bands:
+            bands -= 1
+        run_rows = m // bands
+    elif bands < 2:
+        run_rows = m  # one band: the shards travel while this rank's own is multiplied
+    p = GatherPlan("overlap", "", M, K, R, run_rows, blocked, transport)
+    how = f"{p.bands} row bands of every shard" + (", one chunk per rank" if blocked else "")
+    return dataclasses.replace(p, reason=f"{p.n_chunks} chunks: {how}")
 
 
 DEFAULT_SPLIT_CHUNKS = 4
@@ -355,6 +490,11 @@ class SplitPlan:
     @property
     def tiles_per_chunk(self) -> tuple[int, ...]:
         return (0,) * self.n_chunks  # (no kernel: cuBLAS per band)
+
+    def layout(self) -> str:
+        """As ``Plan.layout``: the transport and the chunks (each chunk's rows per rank come
+        from the splits, which ``guard.agree`` checks)."""
+        return f"{self.transport} chunks={self.n_chunks}"
 
     def describe(self) -> str:
         """One line: the exchange, the transport, the splits."""

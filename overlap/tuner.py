@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from . import guard
 from .context import set_tuned, tuned_key
 from .ops import all_gather_matmul, matmul_collective
 from .ops._engine import capturing, check_operands
@@ -151,6 +152,8 @@ def tune(
         ValueError: no candidates, a candidate that is neither ``"plain"`` nor in [2, 64],
             ``iters`` < 1, or arguments ``matmul_collective`` refuses.
         RuntimeError: called while the current CUDA stream is being captured.
+        overlap.RankMismatchError, TimeoutError: (validation mode) the ranks' calls differ, or
+            a rank did not call, found before any host collective.
     """
     before = check_operands(x, w, collective, "sum", "torch", group).before
     if capturing(x):
@@ -164,8 +167,14 @@ def tune(
             )
     R = dist.get_world_size(group)
     M, K, N = math.prod(x.shape[:-1]) * (R if before else 1), x.shape[-1], w.shape[1]
+    if R > 1 and guard.validating():  # before this call's first host collective (below)
+        fp = guard.fingerprint(f"tune({collective})", x.dtype, {"M": M, "N": N, "K": K},
+                               f"candidates={list(candidates)} iters={iters} "
+                               f"cache={use_cache} host={count_host}")  # fmt: skip
+        guard.agree(group, fp, f"overlap.tune {collective} {M}x{N}x{K}")
     key = _cache_key(x, M, N, K, R, collective, count_host)
-    rkey = tuned_key(group, M, N, K, x.dtype, collective)
+    # (the all-gather's plan does not depend on N, so neither does its tuned choice)
+    rkey = tuned_key(group, M, 0 if before else N, K, x.dtype, collective)
     path = cache_path()
     found = [None]
     if use_cache and dist.get_rank(group) == 0:

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from overlap.collectives import COLLECTIVES
 from overlap.comm.nccl import _chunks
-from overlap.plan import MAX_CHUNKS, Tiles, make_plan
+from overlap.plan import MAX_CHUNKS, Tiles, make_gather_plan, make_plan
 
 
 @st.composite
@@ -105,6 +105,39 @@ def test_blocked_plans_cut_each_rank_block_into_equal_bands(R, collective, m, N,
     with pytest.raises(ValueError, match="divisible"):
         make_plan(M + 1, N, 8, world_size=R, collective="reduce_scatter", dtype_bits=16,
                   chunks=chunks, tiles=t, blocked=True)  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.sampled_from([2, 3, 4, 8]), st.integers(1, 300), st.integers(1, 64),
+    st.one_of(st.none(), st.integers(2, 12)), st.booleans(), st.booleans(),
+)  # fmt: skip
+def test_gather_plans_cover_every_shard_row_once_and_never_depend_on_N(
+    R, m, K, chunks, interp, blocked
+):
+    """The all-gather's plan: the same for every N (ranks' weights may differ in width), and
+    its bands hand the consumer every row of every shard once, after the chunks carrying it."""
+    M = R * m
+    kw = dict(world_size=R, dtype_bits=16, interpreter=interp, chunks=chunks, blocked=blocked)
+    p = make_gather_plan(M, K, **kw)
+    for N in (1, 37, 8192):
+        assert make_plan(M, N, K, collective="all_gather", **kw) == p
+    if p.path != "overlap":
+        return
+    assert 1 <= p.n_chunks <= MAX_CHUNKS
+    assert [q + i for q, h, _ in p.shard_bands for i in range(h)] == list(range(m))
+    assert sorted(c for _, _, cs in p.shard_bands for c in cs) == list(range(p.n_chunks))
+    if blocked:  # equal bands; chunk s * bands + k is band k of rank s's shard
+        assert all(h == m // p.bands for _, h, _ in p.shard_bands) and m % p.bands == 0
+        assert all(cs == tuple(s * p.bands + k for s in range(R))
+                   for k, (_, _, cs) in enumerate(p.shard_bands))  # fmt: skip
+    else:  # NCCL: chunk k's slot [R, h, K] holds band k of every shard, slots tile [M, K]
+        at = 0
+        for k, (q, h, cs) in enumerate(p.shard_bands):
+            off, rows, width, row0, _ = p.chunk_slot(k)
+            assert cs == (k,) and (off, rows, width, row0) == (at * K, R * h, K, R * q)
+            at += rows
+        assert at == M
 
 
 def test_blocked_all_reduce_keeps_its_chunks_within_the_counters():

@@ -48,6 +48,7 @@ from ..comm import BACKENDS, TorchTransport, Transport
 from ..context import Context, context, plans, shapes, tuned, tuned_key
 from ..plan import (
     MAX_CHUNKS,
+    GatherPlan,
     Plan,
     SplitPlan,
     make_plan,
@@ -215,6 +216,8 @@ def decide(x, w, name, group, chunks, backend, capturing: bool):
 def _decide(x, w, name, group, chunks, backend, capturing: bool):
     R, bits, spec = world(group), x.element_size() * 8, collective(name)
     M, K, N = math.prod(x.shape[:-1]) * (R if spec.before else 1), x.shape[-1], w.shape[1]
+    if spec.before:  # the all-gather's plan never depends on N: the ranks' N may differ
+        N = 0
     if R == 1:
         p = make_plan(M, N, K, world_size=1, collective=name, dtype_bits=bits, chunks=chunks)
         return p, None, None
@@ -234,7 +237,9 @@ def _decide(x, w, name, group, chunks, backend, capturing: bool):
             why = "overlap.tune measured the plain path fastest"
         chunks = None if choice == "plain" else choice
     if why is not None:
-        return Plan("fallback", why, name, M, N, K, R), ctx, None
+        p = GatherPlan("fallback", why, M, K, R) if spec.before else \
+            Plan("fallback", why, name, M, N, K, R)  # fmt: skip
+        return p, ctx, None
 
     def fits(cls: type[Transport]) -> bool:  # a capture uses the buffers an eager call sized
         t = comm.shared(cls, group, x.device)
@@ -267,10 +272,10 @@ def plan(
     backend: str = "auto",
     input_split_sizes: list[int] | None = None,
     output_split_sizes: list[int] | None = None,
-) -> Plan | SplitPlan:
+) -> Plan | GatherPlan | SplitPlan:
     """The plan a call with these arguments runs: ``path`` ("overlap" or "fallback"), the
-    ``transport`` that moves its chunks, the chunks and tiles, and ``reason``;
-    ``plan(...).describe()`` prints it.
+    ``transport`` that moves its chunks, the chunks and tiles (the all-gather's: its gather
+    bands, ``GatherPlan``), and ``reason``; ``plan(...).describe()`` prints it.
 
     Like the call, the first one of a group on a CUDA device asks every rank which road the
     copy engines have (a collective): every rank of ``group`` calls it then.
@@ -319,8 +324,15 @@ def split_plan(
     return make_split_plan(sends, receives, N, K, chunks=chunks, transport=cls.name)
 
 
-def _agree(group, p: Plan, dtype, op: str) -> None:
-    guard.agree(group, guard.fingerprint(p, dtype, op), p.describe())
+def _agree(group, p: Plan | GatherPlan, dtype, op: str = "sum") -> None:
+    """Validation mode's agreement on a call of plan ``p`` with reduction ``op``
+    (``guard.fingerprint``): after the matmul the product's ``M`` and ``N`` travel (``K``
+    is this rank's own); the all-gather moves ``[M, K]`` (``N`` is this rank's own)."""
+    if isinstance(p, GatherPlan):
+        what, sizes = "all_gather_matmul", {"M": p.M, "K": p.K}
+    else:
+        what, sizes = f"matmul_{p.collective}({op})", {"M": p.M, "N": p.N}
+    guard.agree(group, guard.fingerprint(what, dtype, sizes, p.layout()), p.describe())
 
 
 def _watch(ctx: Context, cls, p: Plan, x: torch.Tensor, capturing: bool) -> None:
@@ -475,7 +487,7 @@ def run_before(x, w, group, out, backend, chunks, keep: bool):
             stats.count("all_gather_matmul", "replayed via " + replayed)
             return out, full
     p, ctx, cls = decide(x, w, "all_gather", group, chunks, backend, cap)
-    M, N, K, R = p.M, p.N, p.K, p.world_size
+    M, N, K, R = p.M, w.shape[1], p.K, p.world_size
     if out is None:
         out = x.new_empty(M, N)
     else:
@@ -483,7 +495,7 @@ def run_before(x, w, group, out, backend, chunks, keep: bool):
     x2 = x.reshape(M // R, K)
     validating = ctx is not None and guard.validating()
     if validating:
-        _agree(group, p, x.dtype, "sum")
+        _agree(group, p, x.dtype)
     stats.count("all_gather_matmul", how(p))
     if p.path != "overlap":
         full = x2
@@ -505,7 +517,7 @@ def run_before(x, w, group, out, backend, chunks, keep: bool):
     return out, full
 
 
-def _gathered(x2, w, out, full, p: Plan, ctx: Context, cls, capturing: bool) -> None:
+def _gathered(x2, w, out, full, p: GatherPlan, ctx: Context, cls, capturing: bool) -> None:
     """Stages 6-8 of an all-gather with plan ``p`` on the current stream: ``consume``."""
     transport = ctx.transport(cls, capturing)
     s = ctx.comm_stream
@@ -514,12 +526,12 @@ def _gathered(x2, w, out, full, p: Plan, ctx: Context, cls, capturing: bool) -> 
         consume(x2, w, out, full, p, transport, ctx.rank, caller, s)
 
 
-def consume(x2, w, out, full, p: Plan, transport: Transport, rank: int, caller, s) -> None:
+def consume(x2, w, out, full, p: GatherPlan, transport: Transport, rank: int, caller, s) -> None:
     """The transport gathers every rank's shard on ``s`` while ``caller`` multiplies this
     rank's own rows ``x2 [m, K]`` (no wait), then each band of the other shards once it has
     arrived, into ``out [R m, N]``; ``full``: ``x_full [R m, K]`` or empty. ``caller`` then
     waits for ``s``."""
-    R, N, K = p.world_size, p.N, p.K
+    R, N, K = p.world_size, w.shape[1], p.K
     m, keep = p.M // R, full.numel() > 0
     try:
         buf = transport.gather(p, x2.contiguous(), s, caller)  # `s` waits for `caller`

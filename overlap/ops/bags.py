@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from .. import guard
 from ..plan import DEFAULT_SPLIT_CHUNKS
 from ._engine import DTYPES, check_backend, check_chunks, check_group, group_of, world
 from .exchange import _SplitCall
@@ -63,6 +64,10 @@ def embedding_bag_all_to_all(
     if rank_dims is None:
         rank_dims = [D]
         if R > 1:
+            if guard.validating():  # before the host collective: a silent peer is a TimeoutError
+                fp = guard.fingerprint("embedding_bag_all_to_all", tables[0].dtype, {"bags": B},
+                                       "rank_dims=None")  # fmt: skip
+                guard.agree(group, fp, "embedding_bag_all_to_all: every rank's width")
             rank_dims = [None] * R
             dist.all_gather_object(rank_dims, D, group=group)
     if len(rank_dims) != R or rank_dims[rank] != D:
@@ -131,7 +136,9 @@ def _bags_forward(tables, indices, offsets, group, mode, rank_dims, backend, chu
     # per chunk, elements (rows of width 1) received from and sent to every rank
     layout = [([(hi - lo) * d for d in rank_dims], [(hi - lo) * D] * R) for lo, hi in bands]
     sends, receives = tuple(b * D for _ in range(R)), tuple(b * d for d in rank_dims)
-    call = _SplitCall(t0, group, backend, n, sends, receives, 1, 0, "embedding_bag_all_to_all")
+    agreed = {"bags": B, "mode": mode}  # (validation; with the splits B implies rank_dims)
+    call = _SplitCall(t0, group, backend, n, sends, receives, 1, 0, "embedding_bag_all_to_all",
+                      agreed)  # fmt: skip
     p, s, out = call.plan, call.stream, t0.new_empty(b, sum(rank_dims))
     send, recv = t0.new_empty(B * D, 1), t0.new_empty(b * sum(rank_dims), 1)
     starts = [sum(rank_dims[:s_]) for s_ in range(R)]

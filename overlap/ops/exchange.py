@@ -112,10 +112,12 @@ def _split_out(out, shape, x) -> torch.Tensor:
 
 class _SplitCall:
     """What an uneven all-to-all call of either direction sets up: its plan (validated when
-    validation is on), and off world size 1 the context, transport, streams and events
-    (``ctx`` is None at world size 1)."""
+    validation is on: ``label``, the op, and its sizes ``agreed``, by default the exchanged
+    rows' width), and off world size 1 the context, transport, streams and events (``ctx``
+    is None at world size 1)."""
 
-    def __init__(self, x, group, backend, chunks, sends, receives, N, K, label: str) -> None:
+    def __init__(self, x, group, backend, chunks, sends, receives, N, K, label: str,
+                 agreed: dict | None = None) -> None:  # fmt: skip
         self.plan = split_plan(sends, receives, N, K, chunks, backend)
         self.ctx = self.stream = self.caller = self.events = None
         if self.plan.world_size == 1:
@@ -125,8 +127,11 @@ class _SplitCall:
         self.ctx = context(group, x.device)
         self.validating = guard.validating()
         if self.validating:
+            if agreed is None:  # the exchanged rows' width: the dispatch sends x, the rest x @ w
+                agreed = {"width": K if label == "all_to_all_grouped_matmul" else N}
             p = self.plan
-            guard.agree(group, guard.fingerprint(p, x.dtype, "sum"), p.describe(), p.splits)
+            fp = guard.fingerprint(label, x.dtype, agreed, p.layout())
+            guard.agree(group, fp, p.describe(), p.splits)
         self.transport = self.ctx.transport(comm.select_uneven(backend))
         self.stream = self.ctx.comm_stream
         if self.stream is not None:
