@@ -45,7 +45,7 @@ import torch.distributed as dist
 from .. import comm, guard, stats
 from ..collectives import OPS, Collective, collective
 from ..comm import BACKENDS, TorchTransport, Transport
-from ..context import Context, context, plans, shapes, tuned, tuned_key
+from ..context import Context, check_group, context, plans, shapes, tuned, tuned_key
 from ..plan import MAX_CHUNKS, Plan, make_plan, splits_rows, tiles_for
 from ..signal import wait_counter
 from . import _record
@@ -59,19 +59,6 @@ def world(group: dist.ProcessGroup | None) -> int:
     if group is None and not (dist.is_available() and dist.is_initialized()):
         return 1
     return dist.get_world_size(group)
-
-
-def check_group(group) -> None:
-    """Raises TypeError naming ``group`` unless it is a process group or None, and
-    ValueError for what ``dist.new_group`` returns to a process outside the group."""
-    if group is dist.GroupMember.NON_GROUP_MEMBER:
-        raise ValueError(
-            "group: this process is not a member of it (dist.new_group returned "
-            "GroupMember.NON_GROUP_MEMBER here); call on the group's ranks only"
-        )
-    if group is not None and not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"group must be a torch.distributed.ProcessGroup or None, got "
-                        f"{type(group).__name__}")  # fmt: skip
 
 
 def check_backend(backend) -> None:
