@@ -202,7 +202,11 @@ def _decide(x, w, name, group, chunks, backend, capturing: bool):
     ctx = context(group, x.device)
     road = comm.road(group, x.device, capturing) if x.is_cuda else None  # a collective, once
     why = None
-    if not x.is_cuda and not spec.before:  # (the all-gather runs no kernel)
+    if K == 0:  # (the kernel needs K > 0)
+        why = "K = 0: nothing to overlap (the product is zeros, as torch.matmul's)"
+    elif x.is_meta:
+        why = "meta tensors: shapes only (torch's collectives do nothing on them)"
+    elif not x.is_cuda and not spec.before:  # (the all-gather runs no kernel)
         if os.environ.get("TRITON_INTERPRET", "0") != "1":
             why = "CPU tensors and TRITON_INTERPRET is not 1"
         elif x.dtype == torch.bfloat16:
@@ -302,7 +306,7 @@ def run_after(x, w, name, group, op, out, backend, chunks, label: str) -> torch.
     else:
         check_out(out, shape, x, w)
     x2 = x if x.dim() == 2 else x.reshape(M, p.K)
-    out2 = out if out.dim() == 2 else out.view(-1, N)
+    out2 = out if out.dim() == 2 else out.view(M, N)  # (-1: ambiguous when N = 0)
     scale = 1.0 / R if op == "avg" and R > 1 else None
     validating = ctx is not None and guard.validating()
     if validating:
