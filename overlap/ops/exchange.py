@@ -53,10 +53,20 @@ def check_splits(x, name, sends, receives, group) -> tuple[tuple[int, ...], tupl
                          "equal splits)")  # fmt: skip
     R, M = world(group), math.prod(x.shape[:-1])
     for what, s in (("input_split_sizes", sends), ("output_split_sizes", receives)):
-        if len(s) != R or not all(isinstance(v, int) and v >= 0 for v in s):
+        if not isinstance(s, (list, tuple)) or not all(
+            isinstance(v, int) and not isinstance(v, bool) for v in s
+        ):  # fmt: skip
+            raise TypeError(f"{what} must be a list of ints (one per rank), got {s!r}")
+        if len(s) != R or min(s, default=0) < 0:
             raise ValueError(f"{what} must be {R} non-negative ints (one per rank), got {s!r}")
     if sum(sends) != M:
         raise ValueError(f"input_split_sizes add up to {sum(sends)}, not to x's {M} rows")
+    rank = dist.get_rank(group) if R > 1 else 0
+    if sends[rank] != receives[rank]:  # (the rows this rank sends itself)
+        raise ValueError(
+            f"input_split_sizes[{rank}] ({sends[rank]}) and output_split_sizes[{rank}] "
+            f"({receives[rank]}) differ: they are the rows this rank (rank {rank}) sends itself"
+        )
     return tuple(sends), tuple(receives)
 
 
@@ -71,7 +81,7 @@ def split_forward(
     uses its expert's matrix (the MoE combine)."""
     M, K, N = math.prod(x.shape[:-1]), x.shape[-1], w.shape[-1]
     x2 = x.reshape(M, K)
-    out = _split_out(out, (sum(receives), N), x)
+    out = _split_out(out, (sum(receives), N), x, w)
     call = _SplitCall(x, group, backend, chunks, sends, receives, N, K, label)
     if call.ctx is None:
         _product(x2, w, out, slice(0, M), slice(0, M), runs)
@@ -101,7 +111,7 @@ def dispatch_forward(x, w, group, out, backend, chunks, sends, receives, runs, k
     M, K, N = math.prod(x.shape[:-1]), x.shape[-1], w.shape[-1]
     x2 = x.reshape(M, K)
     rows = sum(receives)
-    out = _split_out(out, (rows, N), x)
+    out = _split_out(out, (rows, N), x, w)
     call = _SplitCall(x, group, backend, chunks, sends, receives, N, K,
                       "all_to_all_grouped_matmul")  # fmt: skip
     if call.ctx is None:
@@ -126,10 +136,10 @@ def dispatch_forward(x, w, group, out, backend, chunks, sends, receives, runs, k
     return out, full
 
 
-def _split_out(out, shape, x) -> torch.Tensor:
+def _split_out(out, shape, x, w) -> torch.Tensor:
     if out is None:
         return x.new_empty(shape)
-    check_out(out, shape, x)
+    check_out(out, shape, x, w)
     return out
 
 
@@ -337,19 +347,24 @@ _grouped_op.register_autograd(_grouped_backward, setup_context=_grouped_setup)
 def _check_grouped(x, w, expert_ids, sends, receives, backend, group, received: bool):
     """The checks of the two MoE ops; ``expert_ids`` has one id per row of ``x``, or with
     ``received`` per received row. Returns the splits as tuples."""
-    if not isinstance(w, torch.Tensor) or w.dim() != 3 or w.shape[0] < 1:
+    if not isinstance(w, torch.Tensor):
+        raise TypeError(f"w must be a torch.Tensor [E, K, N], got {type(w).__name__}")
+    if w.dim() != 3 or w.shape[0] < 1:
         raise ValueError(f"w must be [E, K, N] with E >= 1, got {getattr(w, 'shape', w)}")
     check_operands(x, w[0], "all_to_all", "sum", backend, group)
     splits = check_splits(x, "all_to_all", sends, receives, group)
     rows = sum(splits[1]) if received else math.prod(x.shape[:-1])
     what = "received row" if received else "row of x"
-    if not isinstance(expert_ids, torch.Tensor) or expert_ids.is_floating_point() or (
-        expert_ids.numel() != rows
+    ids = expert_ids
+    if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.is_complex() or (
+        ids.dtype == torch.bool or ids.numel() != rows
     ):  # fmt: skip
-        got = getattr(expert_ids, "shape", expert_ids)
+        got = f"{ids.dtype} {tuple(ids.shape)}" if isinstance(ids, torch.Tensor) else repr(ids)
         raise ValueError(
             f"expert_ids must be an integer tensor with one id per {what} ({rows}), got {got}"
         )
+    if ids.is_meta:
+        raise ValueError("expert_ids is on meta: its values are read on the host")
     return splits
 
 
