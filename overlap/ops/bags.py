@@ -52,8 +52,10 @@ def embedding_bag_all_to_all(
         ``embedding_bag``'s own backward); a custom op under ``torch.compile``.
 
     Raises:
-        TypeError, ValueError: naming the argument (types, shapes, modes, ``B`` not
-            divisible by ``R``, ``rank_dims`` that disagree with the tables).
+        TypeError, ValueError: naming the argument (types, shapes, modes, devices, ``B``
+            not divisible by ``R``, ``rank_dims`` that disagree with the tables, and what
+            ``embedding_bag`` rejects: ``offsets[0] != 0``, decreasing offsets,
+            ``offsets[-1] > len(indices)``, indices outside the table).
     """
     check_group(group)
     check_chunks(chunks)

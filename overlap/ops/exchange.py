@@ -268,7 +268,9 @@ def grouped_matmul_all_to_all(
 
     Raises:
         TypeError, ValueError: wrong types, dtypes, devices or shapes (naming the argument),
-            splits that do not fit (``matmul_collective``), expert ids out of range.
+            splits that do not fit (``matmul_collective``; the rows a rank sends itself,
+            ``input_split_sizes[rank]``, equal those it receives from itself,
+            ``output_split_sizes[rank]``), expert ids out of range.
     """
     check_chunks(chunks)
     sends, receives = _check_grouped(x, w, expert_ids, input_split_sizes, output_split_sizes,
