@@ -396,3 +396,29 @@ def _two_ranks(rank: int, R: int) -> list[str]:
 
 def test_two_ranks():
     spawn(_two_ranks, 2)
+
+
+@pytest.mark.parametrize(
+    "op, K, N",
+    [(op, 16, 12) for op in ("matmul_allreduce", "all_gather_matmul", SPLIT_OPS[1])]
+    + [pytest.param(SPLIT_OPS[2], 16, 12, marks=pytest.mark.xfail(strict=True, reason=(
+        "the dispatch's backward exchanges at world size 1 (exchange._all_to_all_back: "
+        "'Default process group has not been initialized')")))]
+    + [
+        pytest.param(op, K, N, marks=pytest.mark.xfail(strict=True, reason=why))
+        for op in ("matmul_allreduce", "all_gather_matmul", "grouped_matmul_all_to_all")
+        for K, N in ((0, 12), (16, 0))
+        for why in ["the backward's reshape(-1, K or N) is ambiguous for 0 elements "
+                    "(dense._backward_op, exchange._grouped_backward_op)"]
+    ],
+)  # fmt: skip
+def test_gradients_like_torch_at_world_size_one(op, K, N):
+    """Autograd at world size 1 (a one-GPU run of a tensor-parallel model), empty K or N
+    included: ``dx`` and ``dw`` are torch's."""
+    x, w = torch.randn(8, K, requires_grad=True), torch.randn(K, N, requires_grad=True)
+    g = torch.randn(8, N)
+    (call(op, x, w) * g).sum().backward()
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    ((x64 @ w64) * g.double()).sum().backward()
+    torch.testing.assert_close(x.grad.double(), x64.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(w.grad.double(), w64.grad, rtol=1e-5, atol=1e-5)

@@ -441,7 +441,7 @@ def run_before(x, w, group, out, backend, chunks, keep: bool):
             full = x.new_empty(M, K)
             p.spec.plain(x2.contiguous(), full, group)
         torch.matmul(full, w, out=out)
-        full = full if keep else x.new_empty(0)
+        full = (full if R > 1 else full.clone()) if keep else x.new_empty(0)  # (R = 1: x)
     else:
         full = x.new_empty((M, K) if keep else (0,))  # (outside a recorded graph's pool)
         call = functools.partial(_gathered, x2, w, out, full, p, ctx, cls)

@@ -116,7 +116,7 @@ def dispatch_forward(x, w, group, out, backend, chunks, sends, receives, runs, k
                       "all_to_all_grouped_matmul")  # fmt: skip
     if call.ctx is None:
         _product(x2, w, out, slice(0, M), slice(0, M), runs)
-        return out, (x2 if keep else x.new_empty(0))
+        return out, (x2.clone() if keep else x.new_empty(0))  # (x2 may be x: the op's input)
     p, s, n = call.plan, call.stream, call.plan.n_chunks
     t = call.transport
     recv = x.new_empty(rows, K)
