@@ -65,6 +65,8 @@ def run(rank: int, world: int, device: torch.device, M: int, N: int, K: int, chu
     print(line, flush=True)
     tol = 2e-2 if x_shard.dtype == torch.bfloat16 else 1e-5
     assert err < tol, f"relative error {err} above {tol}"
+    if rank == 0:
+        print(overlap.stats(), flush=True)  # which path each op's calls took, and why
 
 
 def _cpu_rank(rank: int, world: int, init_file: str) -> None:

@@ -26,6 +26,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
+import overlap
 from overlap.nn import ColumnParallelLinear, RowParallelLinear
 
 
@@ -117,6 +118,8 @@ def check(rank: int, R: int, device: torch.device, dtype: torch.dtype, sizes: di
         tol = 3e-2 if dtype == torch.bfloat16 else 1e-4
         bad = {k: v for k, v in errors.items() if not v < tol}
         assert not bad, f"rank {rank} sequence_parallel={sp}: errors above {tol}: {bad}"
+    if rank == 0:
+        print(overlap.stats(), flush=True)  # which path each op's calls took, and why
 
 
 def _err(got: torch.Tensor, want: torch.Tensor) -> float:

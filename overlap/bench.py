@@ -1,4 +1,4 @@
-"""Benchmark: ``torchrun --nproc-per-node=2 -m overlap.bench [--out bench.json]``.
+"""Benchmark: ``torchrun --nproc-per-node=2 -m overlap.bench [--out bench_out/bench.json]``.
 
 Per shape and collective (bf16, ``x [M, K]`` and ``w = weight.t()`` of ``[N, K]``): cuBLAS GEMM
 alone, the kernel the call runs alone (``kernel_alone``: with its signals and, through the copy
@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 import warnings
 
@@ -213,13 +214,22 @@ def bench_one(
     torch.cuda.synchronize()
     row["peak_mb_sequential"] = _peak_mb(seq)
     row["peak_mb_overlap"] = _peak_mb(ovl)  # torch's allocator: not the symmetric memory
-    if row["transport"] == "ce":  # the copy-engine transport's buffer, kept between calls
-        row["transport_buffer_mb"] = context(ovl_group, dev).nbytes / 2**20
+    # the transports' buffers kept between calls (the copy engines'; NCCL per chunk keeps none)
+    row["transport_buffer_mb"] = context(ovl_group, dev).nbytes / 2**20
     limit = max(row["gemm_cublas"], row["comm"])
     row["speedup"] = row["sequential"] / row["overlap"]
     hideable = row["sequential"] - limit
     row["eta"] = (row["sequential"] - row["overlap"]) / hideable if hideable > 0 else None
     return row
+
+
+def need_gpus(tool: str, how: str) -> None:
+    """Exits with one line (no traceback) unless CUDA GPUs are present and this process is a
+    torchrun worker; ``how``: the command lines that launch ``tool``."""
+    if not torch.cuda.is_available():
+        sys.exit(f"{tool} needs CUDA GPUs and this machine has none; on one that has: {how}")
+    if "RANK" not in os.environ:
+        sys.exit(f"{tool} runs as torchrun workers: {how}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -242,9 +252,12 @@ def main(argv: list[str] | None = None) -> None:
         "--graph", action="store_true", help="time CUDA-graph replays of every function"
     )
     ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--out", default="bench_out/bench.json")
+    ap.add_argument(
+        "--out", default="bench_out/bench.json", help="JSON file (default: %(default)s)"
+    )
     args = ap.parse_args(argv)
-    local = int(os.environ.get("LOCAL_RANK", 0))
+    need_gpus("overlap.bench", "torchrun --nproc-per-node=N -m overlap.bench (N >= 2 GPUs)")
+    local = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local))
     mode = "default"

@@ -38,7 +38,10 @@ Row, SP            ``matmul_reduce_scatter(x, w^T)``           ``all_gather_matm
 The weight gradients reuse the gathered tensors (the all-gather's ``x_full``, the gathered
 ``g``). Plain torch collectives remain in the helpers around them: ``gather_output``,
 ``input_is_parallel=False`` and the row bias's gradient under sequence parallelism. At world
-size 1 both layers are ``nn.Linear``. ``torch.compile(fullgraph=True)`` keeps the library's
+size 1 (or without an initialized process group) both layers compute ``nn.Linear``'s result
+from the whole ``weight [out, in]`` and ``bias [out]``, but are not ``nn.Linear`` instances; a
+layer made before ``init_process_group`` raises ``RuntimeError`` when called once the default
+group has more ranks. ``torch.compile(fullgraph=True)`` keeps the library's
 ops whole (they are custom ops).
 """
 
@@ -66,11 +69,11 @@ def _split(n: int, R: int, what: str) -> int:
     return n // R
 
 
-def _gather_last(y: torch.Tensor, group, R: int) -> torch.Tensor:
-    """``[..., n]`` of every rank -> ``[..., R n]`` (rank order)."""
-    parts = [torch.empty_like(y) for _ in range(R)]
+def _gather(y: torch.Tensor, group, R: int, dim: int) -> torch.Tensor:
+    """``y`` of every rank concatenated along ``dim`` in rank order (``n`` -> ``R n``)."""
+    parts = [torch.empty_like(y, memory_format=torch.contiguous_format) for _ in range(R)]
     dist.all_gather(parts, y.contiguous(), group=group)
-    return torch.cat(parts, dim=-1)
+    return torch.cat(parts, dim=dim)
 
 
 class _Column(torch.autograd.Function):
@@ -95,32 +98,33 @@ class _Column(torch.autograd.Function):
         return dx, dw, None
 
 
-class _GatherLastDim(torch.autograd.Function):
-    """``[..., n]`` of every rank -> ``[..., R n]``; the gradient: this rank's columns."""
+class _Gather(torch.autograd.Function):
+    """``n`` of every rank along ``dim`` -> ``R n`` (rank order); the gradient: this rank's
+    ``n``. Exact where the gradient arriving is the same on every rank (replicated)."""
 
     @staticmethod
-    def forward(ctx, y, group, R, rank):  # noqa: D102
-        ctx.rank, ctx.n = rank, y.shape[-1]
-        return _gather_last(y, group, R)
-
-    @staticmethod
-    def backward(ctx, g):  # noqa: D102
-        return g[..., ctx.rank * ctx.n : (ctx.rank + 1) * ctx.n], None, None, None
-
-
-class _ScatterLastDim(torch.autograd.Function):
-    """``[..., R n]`` (replicated) -> this rank's ``[..., n]``; the gradient: every rank's
-    columns gathered."""
-
-    @staticmethod
-    def forward(ctx, x, group, R, rank):  # noqa: D102
-        ctx.group, ctx.R = group, R
-        n = x.shape[-1] // R
-        return x[..., rank * n : (rank + 1) * n]
+    def forward(ctx, y, group, R, rank, dim):  # noqa: D102
+        ctx.rank, ctx.n, ctx.dim = rank, y.shape[dim], dim
+        return _gather(y, group, R, dim)
 
     @staticmethod
     def backward(ctx, g):  # noqa: D102
-        return _gather_last(g, ctx.group, ctx.R), None, None, None
+        return g.narrow(ctx.dim, ctx.rank * ctx.n, ctx.n), None, None, None, None
+
+
+class _Scatter(torch.autograd.Function):
+    """A replicated ``R n`` along ``dim`` -> this rank's ``n``; the gradient: every rank's
+    ``n`` gathered (replicated again)."""
+
+    @staticmethod
+    def forward(ctx, x, group, R, rank, dim):  # noqa: D102
+        ctx.group, ctx.R, ctx.dim = group, R, dim
+        n = x.shape[dim] // R
+        return x.narrow(dim, rank * n, n)
+
+    @staticmethod
+    def backward(ctx, g):  # noqa: D102
+        return _gather(g, ctx.group, ctx.R, ctx.dim), None, None, None, None
 
 
 class _SumGrad(torch.autograd.Function):
@@ -151,6 +155,8 @@ class _Sharded(nn.Module):
         check_group(group)
         self.group, self.sequence_parallel = group, sequence_parallel
         self.rank, self.world_size = _rank_size(group)
+        # made before init_process_group: a whole layer, wrong next to sharded ones (forward)
+        self.made_without_group = group is None and not dist.is_initialized()
         self.in_features, self.out_features = in_features, out_features
         shape = [out_features, in_features]
         what = ("out_features", "in_features")[self.split_dim]
@@ -160,11 +166,28 @@ class _Sharded(nn.Module):
         self.bias = nn.Parameter(torch.empty(shape[0], **kw)) if bias else None
         _init(self.weight, self.bias, in_features)
 
+    def _whole(self, x: torch.Tensor) -> torch.Tensor:
+        """World size 1: ``nn.Linear``'s result; raises if the layer was made before the
+        process group and the default group now has more ranks."""
+        if self.made_without_group and dist.is_initialized() and dist.get_world_size() > 1:
+            raise RuntimeError(
+                f"{type(self).__name__} was made before torch.distributed.init_process_group, "
+                "so it holds the whole layer on every rank; make it (or call from_linear / "
+                "parallelize) after init_process_group"
+            )
+        return nn.functional.linear(x, self.weight, self.bias)
+
     @classmethod
     def from_linear(cls, linear: nn.Linear, group: dist.ProcessGroup | None = None, **kw):
-        """This rank's shard of ``linear``: the column layer takes its rows of ``weight``
-        and ``bias``, the row layer its columns of ``weight`` and the whole ``bias``; ``kw``:
-        the layer's options."""
+        """This rank's shard of ``linear`` (``weight [out, in]``, ``bias [out]``): the column
+        layer takes its rows of ``weight`` and ``bias``, the row layer its columns of
+        ``weight`` and the whole ``bias``; ``kw``: the layer's options.
+
+        Raises:
+            TypeError: ``linear`` is not an ``nn.Linear``.
+        """
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"linear must be a torch.nn.Linear, got {type(linear).__name__}")
         like = dict(device=linear.weight.device, dtype=linear.weight.dtype)
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None,
                     group=group, **like, **kw)  # fmt: skip
@@ -210,7 +233,7 @@ class ColumnParallelLinear(_Sharded):
         """``x [..., in]`` (sequence parallel: ``[T / R, ..., in]``) -> ``[..., out / R]``
         (``gather_output``: ``[..., out]``)."""
         if self.world_size == 1:
-            return nn.functional.linear(x, self.weight, self.bias)
+            return self._whole(x)
         if self.sequence_parallel:
             y = all_gather_matmul(x, self.weight.t(), group=self.group)
             y = y.view(x.shape[0] * self.world_size, *x.shape[1:-1], y.shape[-1])
@@ -219,7 +242,7 @@ class ColumnParallelLinear(_Sharded):
         if self.bias is not None:
             y = y + self.bias
         if self.gather_output:
-            y = _GatherLastDim.apply(y, self.group, self.world_size, self.rank)
+            y = _Gather.apply(y, self.group, self.world_size, self.rank, -1)
         return y
 
 
@@ -259,9 +282,9 @@ class RowParallelLinear(_Sharded):
         """``x [..., in / R]`` (or ``[..., in]``) -> ``[..., out]`` (sequence parallel:
         ``[T / R, ..., out]``)."""
         if self.world_size == 1:
-            return nn.functional.linear(x, self.weight, self.bias)
+            return self._whole(x)
         if not self.input_is_parallel:
-            x = _ScatterLastDim.apply(x, self.group, self.world_size, self.rank)
+            x = _Scatter.apply(x, self.group, self.world_size, self.rank, -1)
         coll = "reduce_scatter" if self.sequence_parallel else "all_reduce"
         if self.sequence_parallel:
             _split(x.shape[0], self.world_size, "the input's dim 0 (sequence parallel)")
@@ -281,3 +304,228 @@ def _init(weight: nn.Parameter, bias: nn.Parameter | None, fan_in: int) -> None:
     nn.init.uniform_(weight, -bound, bound)
     if bias is not None:
         nn.init.uniform_(bias, -bound, bound)
+
+
+# the entries of a transformers plan that parallelize applies: (layer, its options)
+_STYLES = {
+    "colwise": (ColumnParallelLinear, {}),
+    "rowwise": (RowParallelLinear, {}),
+    "colwise_gather_output": (ColumnParallelLinear, {"gather_output": True}),
+    "rowwise_split_input": (RowParallelLinear, {"input_is_parallel": False}),
+}
+# the fields of a config that plain "colwise" / "rowwise" entries split over the ranks
+_SPLIT_FIELDS = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
+
+
+def parallelize(
+    model: nn.Module, group: dist.ProcessGroup | None = None, sequence_parallel: bool = False
+) -> nn.Module:
+    """Shards a ``transformers`` model in place over the ranks of ``group`` (``None``: the
+    default group) by its own tensor-parallel plan, and returns it.
+
+    The plan is ``model.config.base_model_tp_plan``: module names of ``model.base_model``
+    (``layers.*.self_attn.q_proj``; ``*`` stands for a layer number) mapped to a style.
+    Every rank must hold the same whole model (same weights); each ``nn.Linear`` named by the
+    plan becomes this rank's shard of it (``from_linear``):
+
+    ==================================  =======================================================
+    style                               becomes
+    ==================================  =======================================================
+    ``colwise``                         ``ColumnParallelLinear``: ``[..., in]`` ->
+                                        ``[..., out / R]``
+    ``rowwise``                         ``RowParallelLinear``: ``[..., in / R]`` ->
+                                        ``[..., out]``
+    ``colwise_gather_output``           ``ColumnParallelLinear(gather_output=True)``:
+                                        ``[..., in]`` -> ``[..., out]``
+    ``rowwise_split_input``             ``RowParallelLinear(input_is_parallel=False)``:
+                                        ``[..., in]`` -> ``[..., out]``
+    ``replicated_with_grad_allreduce``  kept whole, its parameters' gradients summed over the
+                                        ranks (a norm applied to this rank's heads: q_norm)
+    ==================================  =======================================================
+
+    Attention in transformers 5 reshapes with ``-1`` heads, so q/k/v/o split by heads need no
+    change to the modules' head counts. Modules the plan does not name (embeddings, norms,
+    ``lm_head``) stay whole on every rank: exact, since their inputs are replicated. Any other
+    style (experts, packed or fused weights, embeddings sharded by vocabulary) raises
+    ``NotImplementedError``; delete its entry from ``model.config.base_model_tp_plan`` (an
+    instance attribute overrides the class's) to keep those modules whole instead, which is
+    exact only where the plan's other entries do not pair with them.
+
+    ``sequence_parallel``: between the layers, every rank holds only its tokens, sequence
+    first: ``[b, s, h]`` -> ``[s / R, b, h]`` (``s`` divisible by ``R``; so not for one-token
+    decoding). The norms, residual adds and MLPs run on those shards (gate/up gather them
+    overlapped, down reduce-scatters overlapped, norms' gradients summed over the ranks);
+    attention needs whole sequences, so its input is gathered (plain all-gather; q/k/v are
+    plain column layers) and its o projection reduce-scatters overlapped. Hooks on the base
+    model do the layout: the first decoder layer's input is split, each attention's input
+    gathered, o's input made sequence first, the final ``norm``'s input gathered back to
+    ``[b, s, h]``. That needs ``base_model.layers`` and ``base_model.norm``, attention modules
+    whose class name ends in ``Attention`` holding the q/k/v/o of the plan, plain
+    ``colwise``/``rowwise``/``replicated_with_grad_allreduce`` entries only, and in the layers
+    no parameters outside the plan's linears and the attention but norms'; other models raise
+    ``NotImplementedError``. Hidden states returned by ``output_hidden_states`` are the
+    ``[s / R, b, h]`` shards.
+
+    At world size 1 (or without an initialized process group and ``group=None``) it returns
+    ``model`` unchanged.
+
+    Raises:
+        TypeError: ``model`` has no ``config``; ``group`` is not a process group.
+        ValueError: the model's config has no plan; a field the plan splits
+            (``num_attention_heads``, ``num_key_value_heads``, ``intermediate_size``) or a
+            sharded layer's features not divisible by the world size.
+        NotImplementedError: a style other than the above, on a module of the model, or a
+            plan entry naming a module that is not an ``nn.Linear``; a model whose structure
+            ``sequence_parallel`` does not cover.
+    """
+    check_group(group)
+    config = getattr(model, "config", None)
+    if config is None:
+        raise TypeError(f"model must be a transformers model (with .config), got "
+                        f"{type(model).__name__}")  # fmt: skip
+    rank, R = _rank_size(group)
+    if R == 1:
+        return model
+    plan = getattr(config, "base_model_tp_plan", None)
+    if not plan:
+        raise ValueError(f"model: {type(config).__name__}.base_model_tp_plan is empty; "
+                         "nothing says how to shard it")  # fmt: skip
+    base = getattr(model, "base_model", model)
+    named = [(name, module, plan.get(_generic(name))) for name, module in base.named_modules()]
+    named = [(name, module, style) for name, module, style in named if style is not None]
+    _check_plan(named, config, R)
+    # the attention modules: they need whole sequences (sequence parallel)
+    attention = {n.rpartition(".")[0] for n, _, s in named if s in _STYLES}
+    attention = {n for n in attention if type(base.get_submodule(n)).__name__.endswith("Attention")}
+    if sequence_parallel:
+        _check_sequence_parallel(base, named, attention)
+
+    for name, module, style in named:
+        if style == "replicated_with_grad_allreduce":
+            for p in module.parameters():
+                _sum_grad_over_ranks(p, group)
+            continue
+        parent_name, _, child = name.rpartition(".")
+        cls, kw = _STYLES[style]
+        in_attention = parent_name in attention
+        # attention gets whole sequences: its q/k/v are plain column layers
+        sp = sequence_parallel and not (in_attention and cls is ColumnParallelLinear)
+        layer = cls.from_linear(module, group, sequence_parallel=sp, **kw)
+        setattr(base.get_submodule(parent_name), child, layer)
+        if sp and in_attention:  # o: [b, s, in / R] -> [s, b, in / R], the tokens seq first
+            layer.register_forward_pre_hook(lambda m, args: (args[0].transpose(0, 1),))
+    if sequence_parallel:
+        _sequence_parallel_hooks(base, attention, group, R, rank)
+    return model
+
+
+def _generic(name: str) -> str:
+    """``layers.3.mlp.up_proj`` -> ``layers.*.mlp.up_proj`` (the plan's keys)."""
+    return ".".join("*" if part.isdigit() else part for part in name.split("."))
+
+
+def _check_plan(named: list, config, R: int) -> None:
+    """Raises before anything is changed: unsupported styles or modules, sizes not divisible
+    by ``R``."""
+    supported = {*_STYLES, "replicated_with_grad_allreduce"}
+    bad = sorted({f"{_generic(n)}: {s!r}" for n, _, s in named if s not in supported})
+    if bad:
+        raise NotImplementedError(
+            f"parallelize supports the plan styles {sorted(supported)}; the model's plan has "
+            f"{', '.join(bad)}. Delete those entries from model.config.base_model_tp_plan "
+            "to keep the modules whole, where that is exact"
+        )
+    for name, module, style in named:
+        if style in _STYLES and not isinstance(module, nn.Linear):
+            kind = type(module).__name__
+            again = " (parallelized already)" if isinstance(module, _Sharded) else ""
+            raise NotImplementedError(f"the plan makes {name} {style!r}, but it is a {kind}"
+                                      f"{again}, not an nn.Linear")  # fmt: skip
+    if any(style in ("colwise", "rowwise") for _, _, style in named):
+        for field in _SPLIT_FIELDS:
+            value = getattr(config, field, None)
+            if isinstance(value, int) and value % R:
+                raise ValueError(f"config.{field}={value} is not divisible by the "
+                                 f"tensor-parallel size {R}")  # fmt: skip
+    for name, module, style in named:
+        if style in _STYLES:
+            cls = _STYLES[style][0]
+            what = "out_features" if cls is ColumnParallelLinear else "in_features"
+            if getattr(module, what) % R:
+                raise ValueError(f"{name}.{what}={getattr(module, what)} is not divisible by "
+                                 f"the tensor-parallel size {R}")  # fmt: skip
+
+
+def _check_sequence_parallel(base: nn.Module, named: list, attention: set) -> None:
+    """Raises unless ``parallelize(sequence_parallel=True)`` is exact on ``base`` (its
+    docstring): plain entries, the layers and final norm where expected, and nothing between
+    the split and the gather but sharded linears, attention and norms (token-wise)."""
+    plain = {"colwise", "rowwise", "replicated_with_grad_allreduce"}
+    if any(style not in plain for _, _, style in named):
+        raise NotImplementedError(
+            "sequence_parallel covers plans of colwise, rowwise and "
+            "replicated_with_grad_allreduce entries only (gathered outputs or split inputs "
+            "would need whole tokens)"
+        )
+    layers, norm = getattr(base, "layers", None), getattr(base, "norm", None)
+    if not isinstance(layers, nn.ModuleList) or not isinstance(norm, nn.Module) or not attention:
+        raise NotImplementedError(
+            f"sequence_parallel needs base_model.layers (an nn.ModuleList), base_model.norm "
+            f"and attention modules named *Attention in the plan; {type(base).__name__} lacks "
+            "one. Recipe: split the tokens after the embedding, gather them before each "
+            "attention and after the last norm, sequence first for the row layers"
+        )
+    covered = {n for n, _, s in named if s in _STYLES} | attention
+    for name, module in layers.named_modules(prefix="layers"):
+        inside = any(name == c or name.startswith(c + ".") for c in covered)
+        if not inside and next(module.parameters(recurse=False), None) is not None \
+                and "Norm" not in type(module).__name__:  # fmt: skip
+            raise NotImplementedError(
+                f"sequence_parallel: {name} ({type(module).__name__}) would see this rank's "
+                "tokens only, and is not a norm; only norms, attention and the plan's linears "
+                "are known to be exact on token shards"
+            )
+
+
+def _sequence_parallel_hooks(base: nn.Module, attention: set, group, R: int, rank: int):
+    """The layout hooks of ``parallelize(sequence_parallel=True)`` (its docstring)."""
+    layers, norm = base.layers, base.norm
+
+    def to_shards(x):  # [b, s, h] (replicated) -> this rank's [s / R, b, h]
+        _split(x.shape[1], R, "the sequence length (sequence_parallel)")
+        return _Scatter.apply(x.transpose(0, 1), group, R, rank, 0).contiguous()
+
+    def to_whole(x):  # this rank's [s / R, b, h] -> [b, s, h]
+        return _Gather.apply(x, group, R, rank, 0).transpose(0, 1)
+
+    def hook(fn):  # a pre-hook replacing the hidden states, positional or keyword
+        def pre(module, args, kwargs):
+            if args:
+                return (fn(args[0]), *args[1:]), kwargs
+            return args, {**kwargs, "hidden_states": fn(kwargs["hidden_states"])}
+
+        return pre
+
+    layers[0].register_forward_pre_hook(hook(to_shards), with_kwargs=True)
+    for name in attention:
+        base.get_submodule(name).register_forward_pre_hook(hook(to_whole), with_kwargs=True)
+    norm.register_forward_pre_hook(hook(to_whole), with_kwargs=True)
+    # replicated parameters between the split and the final norm see this rank's tokens only
+    sharded = {p for m in base.modules() if isinstance(m, _Sharded) for p in m.parameters()}
+    in_attention = {p for n in attention for p in base.get_submodule(n).parameters()}
+    for p in layers.parameters():
+        if p not in sharded and p not in in_attention:
+            _sum_grad_over_ranks(p, group)
+
+
+def _sum_grad_over_ranks(p: nn.Parameter, group) -> None:
+    """Sums ``p``'s gradient of each backward pass over the ranks (a hook on the leaf, before
+    it is accumulated into ``p.grad``): for a whole parameter each rank applies to its own
+    part of the data only."""
+
+    def hook(g):
+        g = g.clone()
+        dist.all_reduce(g, group=group)
+        return g
+
+    p.register_hook(hook)

@@ -1,7 +1,8 @@
 """No devices: the examples as a user runs them (the README's main example,
-``examples/tp_linear.py``, and the decoder layer, ``examples/tp_transformer.py``): 2 CPU ranks
-on gloo, the real kernel in Triton's interpreter, results checked against float64 by the
-examples themselves."""
+``examples/tp_linear.py``, the decoder layer, ``examples/tp_transformer.py``, and a Hugging
+Face model through ``overlap.nn.parallelize``, ``examples/hf_parallelize.py``): 2 CPU ranks on
+gloo, the real kernel in Triton's interpreter, results checked by the examples themselves,
+and the path counts they print (``overlap.stats``)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,15 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 
 
 def _run(name: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # it sets its own
+    # this checkout's overlap, whatever an editable install elsewhere points at
+    env["PYTHONPATH"] = str(EXAMPLES.parent) + os.pathsep + env.get("PYTHONPATH", "")
     return subprocess.run(
         [sys.executable, str(EXAMPLES / name)], capture_output=True, text=True, timeout=300,
         env=env,
@@ -27,6 +32,7 @@ def test_readme_example_runs():
     assert "relative error vs float64" in done.stdout
     assert done.stdout.count("through torch: 4 chunks") == 2, done.stdout  # both ranks overlap
     assert "ok: 2 CPU ranks" in done.stdout
+    assert "all_reduce  overlap via torch      1" in done.stdout, done.stdout  # overlap.stats()
 
 
 def test_decoder_layer_example_runs():
@@ -35,3 +41,12 @@ def test_decoder_layer_example_runs():
     for sp in (False, True):  # both ranks, both variants, every check printed
         assert done.stdout.count(f"sequence_parallel={sp}: relative errors") == 2, done.stdout
     assert "ok: 2 CPU ranks" in done.stdout
+    assert "overlap via torch" in done.stdout and "plain:" not in done.stdout, done.stdout
+
+
+def test_hf_parallelize_example_runs():
+    pytest.importorskip("transformers")  # (the test extra installs it; CI does)
+    done = _run("hf_parallelize.py")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert done.stdout.count("max |logits - unsharded logits|") == 2, done.stdout
+    assert "all_gather_matmul  overlap via torch" in done.stdout, done.stdout

@@ -10,14 +10,16 @@ import pathlib
 import subprocess
 import sys
 
-TOOL = pathlib.Path(__file__).resolve().parent.parent / "tools" / "exchange_bench.py"
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+TOOL = ROOT / "tools" / "exchange_bench.py"
 OPS = {"all_gather", "uneven_a2a", "moe_combine", "moe_dispatch", "embedding"}
 
 
 def test_exchange_bench_cpu(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # it sets its own
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])  # this overlap
     out = tmp_path / "e.json"
-    cmd = [sys.executable, str(TOOL), "--cpu", "--iters", "1", "--warmup", "0", "--json", str(out)]
+    cmd = [sys.executable, str(TOOL), "--cpu", "--iters", "1", "--warmup", "0", "--out", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     res = json.loads(out.read_text())

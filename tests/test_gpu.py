@@ -824,3 +824,97 @@ def test_cuda_graph_host_road_one_gpu(monkeypatch):
     """One GPU: the copy engines' host road in a CUDA graph (10,000 replays on fresh inputs,
     eager calls between) and under ``torch.compile(mode="reduce-overhead")``."""
     _on_host_road(monkeypatch, _graph_host_road_one_gpu)
+
+
+def _recorded_inputs(rank, R, seed, device="cuda"):
+    """2 ranks on GPU 0 over gloo (copy engines, host road): a recorded call (its CUDA graph
+    replayed from its third sighting with the same buffers) whose input moves to a new
+    address, or is read with other strides at the same address (a non-contiguous ``x``, a
+    transposed ``w``), into the same ``out``, must compute from the new input; every call
+    against float64, ``out`` poisoned with NaN first, and each step's last call must have
+    been a replay (else the case tests nothing). ``matmul_collective`` (all-reduce) and
+    ``all_gather_matmul`` (without ``return_gathered``: a new ``x_full`` at every call would
+    make a new key). ``device="cpu"``: the same cases on CPU ranks, not recorded
+    (tests/test_cache_keys.py checks the cases themselves there)."""
+    import overlap
+
+    cuda = device == "cuda"
+    if cuda:
+        torch.cuda.set_device(0)
+    dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    M, K, N = (1024, 512, 768) if cuda else (64, 32, 48)
+    backend = "ce" if cuda else "torch"
+    g = torch.Generator().manual_seed(seed)
+
+    def every(n):  # every rank's memory of n elements (the same draws on every rank)
+        return torch.randn(R, n, generator=g)
+
+    # every rank's buffers; a layout reads one as [rows, cols] ("t": the transpose of
+    # [cols, rows], same address and shape, other strides)
+    A, B, W, W2 = every(M * K), every(M * K), every(K * N), every(K * N)
+
+    def view(buf, rows, cols, t):
+        return buf.view(cols, rows).t() if t else buf.view(rows, cols)
+
+    def on_dev(buf):
+        return buf[rank].to(dev)
+
+    dA, dB, dW, dW2 = on_dev(A), on_dev(B), on_dev(W), on_dev(W2)
+    failures = []
+
+    def counted(op, how):  # calls of `op` (as overlap.stats names it) counted `how...`
+        return sum(n for h, n in overlap.stats().get(op, {}).items() if h.startswith(how))
+
+    def steps(op, rows, call, reference):
+        # (what, x's memory, x transposed, w's memory, w transposed): x's and w's memory stay
+        # alive and unchanged, so that a stale replay reads valid but wrong data
+        for what, xb, xt, wb, wt in (
+            ("first", (A, dA), False, (W, dW), False),
+            ("x at a new address", (B, dB), False, (W, dW), False),
+            ("x back at the first address", (A, dA), False, (W, dW), False),
+            ("x with other strides at the first address", (A, dA), True, (W, dW), False),
+            ("w with other strides at the first address", (A, dA), False, (W, dW), True),
+            ("w at a new address", (A, dA), False, (W2, dW2), False),
+        ):
+            xs = [view(xb[0][r], rows, K, xt) for r in range(R)]
+            ws = [view(wb[0][r], K, N, wt) for r in range(R)]
+            x, w = view(xb[1], rows, K, xt), view(wb[1], K, N, wt)
+            refs = reference(xs, ws)
+            before = counted(op, "replayed" if cuda else "")
+            # eager; eager again where the first call sized the transport's buffers (a new
+            # generation: the record starts over); captured and replayed; replayed
+            for i in range(4):
+                got = call(x, w)
+                for j, (y, ref) in enumerate(zip(got, refs, strict=True)):
+                    why = mismatch(y, ref.to(dev), TOL[torch.float32])
+                    failures.extend([f"{op} {what}, call {i}, output {j}: {why}"] if why else [])
+            if counted(op, "replayed" if cuda else "") == before:  # (CPU: counted at all)
+                failures.append(f"{op} {what}: no call was replayed (the case tests nothing)")
+
+    out = torch.empty(M, N, device=dev)
+
+    def all_reduce(x, w):
+        out.fill_(float("nan"))
+        return (overlap.matmul_collective(x, w, out=out, backend=backend, chunks=4),)
+
+    def all_reduce_ref(xs, ws):
+        return (sum(x.double() @ w.double() for x, w in zip(xs, ws, strict=True)),)
+
+    steps("all_reduce", M, all_reduce, all_reduce_ref)
+    m = M // R  # the all-gather's shard rows
+    gathered = torch.empty(M, N, device=dev)
+
+    def all_gather(x, w):
+        gathered.fill_(float("nan"))
+        return (overlap.all_gather_matmul(x[:m], w, out=gathered, backend=backend, chunks=4),)
+
+    def gather_ref(xs, ws):
+        return (torch.cat([x[:m].double() for x in xs]) @ ws[rank].double(),)
+
+    steps("all_gather_matmul", M, all_gather, gather_ref)
+    return failures
+
+
+def test_recorded_inputs_move_one_gpu(monkeypatch):
+    """One GPU: a recorded call whose input moves or changes strides computes from it."""
+    _on_host_road(monkeypatch, _recorded_inputs)

@@ -127,7 +127,8 @@ def test_nan_and_inf_land_where_the_product_has_them(dtype):
     [(2, 0, (128, 70, 48)), (2, 1, (200, 64, 40)), (3, 2, (192, 45, 33)), (3, 1, (192, 64, 33))],
 )
 @pytest.mark.parametrize("specials", [False, True])
-def test_blocked_plan_fused_epilogue(collective, R, rank, shape, specials):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_blocked_plan_fused_epilogue(collective, R, rank, shape, specials, dtype):
     """The copy-engine transport's kernel on one rank: the peers' bands go to the slot buffer
     (standard rows), this rank's block goes to ``out`` with every peer's pushed partial added
     (all-to-all: stored as is); every peer's flag set. ``specials``:
@@ -135,8 +136,8 @@ def test_blocked_plan_fused_epilogue(collective, R, rank, shape, specials):
     them, with the partials added to the rest."""
     M, N, K = shape
     p = make_plan(
-        M, N, K, world_size=R, collective=collective, dtype_bits=32, interpreter=True,
-        chunks=2 * R, blocked=True,
+        M, N, K, world_size=R, collective=collective, dtype_bits=dtype.itemsize * 8,
+        interpreter=True, chunks=2 * R, blocked=True,
     )  # fmt: skip
     assert p.path == "overlap" and p.blocked and p.n_row_bands == R * p.bands_per_block
     B = M // R
@@ -144,12 +145,12 @@ def test_blocked_plan_fused_epilogue(collective, R, rank, shape, specials):
     if specials:
         poison_with_specials(x, w_nk)
         x = x.roll(rank * B, 0)  # specials in this rank's own block too
-    w = w_nk.t().contiguous()
-    recv = torch.randn(R, B, N)
+    x, w = x.to(dtype), w_nk.t().contiguous().to(dtype)
+    recv = torch.randn(R, B, N).to(dtype)
     recv[rank] = float("nan")  # this rank's own slot is never read
     flags = torch.ones(R * p.bands_per_block, dtype=torch.int32)  # contract.SET
-    flat = torch.full((M * N,), float("nan"))
-    out = torch.full((B if collective == "reduce_scatter" else M, N), float("nan"))
+    flat = torch.full((M * N,), float("nan"), dtype=dtype)
+    out = torch.full((B if collective == "reduce_scatter" else M, N), float("nan"), dtype=dtype)
     counters = _counters()
     epi = Epilogue(out, recv, flags, rank)
     chunked_matmul(x, w, flat, counters, p, scale=0.5, epilogue=epi)
@@ -159,11 +160,11 @@ def test_blocked_plan_fused_epilogue(collective, R, rank, shape, specials):
     got = flat.view(M, N).double()
     for s in peers:  # the bands this rank pushes: plain product rows in the slot buffer
         block = slice(s * B, (s + 1) * B)
-        assert mismatch(got[block], prod[block], 1e-5) is None
+        assert mismatch(got[block], prod[block], TOL[dtype]) is None
     assert torch.isnan(got[own]).all(), "this rank's block must not go to the slot buffer"
     want = prod[own] + (sum(recv[s].double() for s in peers) if p.spec.reduces else 0)
     mine = out if collective == "reduce_scatter" else out[own]
-    assert mismatch(mine.double(), want, 1e-5) is None
+    assert mismatch(mine.double(), want, TOL[dtype]) is None
     if collective != "reduce_scatter":
         rest = torch.cat([out[s * B : (s + 1) * B] for s in peers])
         assert torch.isnan(rest).all(), "rows of other blocks are the transport's to fill"

@@ -10,14 +10,16 @@ import pathlib
 import subprocess
 import sys
 
-TOOL = pathlib.Path(__file__).resolve().parent.parent / "tools" / "model_bench.py"
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+TOOL = ROOT / "tools" / "model_bench.py"
 
 
 def test_model_bench_cpu(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # it sets its own
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])  # this overlap
     out = tmp_path / "m.json"
     cmd = [sys.executable, str(TOOL), "--cpu", "--layers", "1", "--iters", "1", "--warmup", "0",
-           "--json", str(out)]  # fmt: skip
+           "--out", str(out)]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     res = json.loads(out.read_text())

@@ -1,6 +1,7 @@
 """``overlap.nn`` on 2 and 4 gloo ranks (the kernels in Triton's interpreter): every layer
 variant's output and gradients (input, weight, bias) against float64 autograd of the unsharded
-``nn.Linear`` it was cut from; world size 1 is ``nn.Linear``; bad sizes raise."""
+``nn.Linear`` it was cut from; world size 1 computes ``nn.Linear``; bad sizes, a non-Linear
+to ``from_linear`` and a layer made before the process group raise."""
 
 from __future__ import annotations
 
@@ -99,12 +100,43 @@ def test_layers_match_the_unsharded_linear(world_size):
     spawn(_layers, world_size, random.randrange(1 << 30))
 
 
-def test_world_size_one_is_nn_linear():
+def test_world_size_one_computes_nn_linear():
     full = nn.Linear(12, 20)
     x = torch.randn(3, 5, 12)
     for cls in (ColumnParallelLinear, RowParallelLinear):
         layer = cls.from_linear(full)
         torch.testing.assert_close(layer(x), full(x))
+        assert not isinstance(layer, nn.Linear)  # as the module docstring says
+
+
+def test_from_linear_of_a_non_linear():
+    for cls in (ColumnParallelLinear, RowParallelLinear):
+        with pytest.raises(TypeError, match="linear must be a torch.nn.Linear, got Conv1d"):
+            cls.from_linear(nn.Conv1d(4, 4, 1))
+
+
+def _made_before_the_group(rank, R):
+    """Layers made with no process group, called once the default group has ``R`` ranks."""
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_default_store()
+    dist.destroy_process_group()
+    layers = [ColumnParallelLinear(8, 8), RowParallelLinear(8, 8)]
+    dist.init_process_group("gloo", store=dist.PrefixStore("again", store), rank=rank,
+                            world_size=R)  # fmt: skip
+    failures = []
+    for layer in layers:
+        try:
+            layer(torch.randn(2, 8))
+            failures.append(f"{type(layer).__name__}: no error")
+        except RuntimeError as e:
+            if "before torch.distributed.init_process_group" not in str(e):
+                failures.append(f"{type(layer).__name__}: unclear error: {e}")
+    return failures
+
+
+def test_layer_made_before_init_process_group_raises():
+    spawn(_made_before_the_group, 2)
 
 
 def test_group_of_the_wrong_type():

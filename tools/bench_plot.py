@@ -7,19 +7,25 @@ Usage: python tools/bench_plot.py OUT.png bench_results/bench_nvlink.json [...]
 Needs matplotlib (not a dependency of the library).
 """
 
+import argparse
 import json
+import pathlib
 import sys
 
-import matplotlib
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+def main(out_png: str, paths: list[str]) -> None:
+    """Draws one panel per JSON file of ``paths`` into ``out_png``."""
+    try:
+        import matplotlib
+    except ModuleNotFoundError:
+        sys.exit("tools/bench_plot.py needs matplotlib: pip install matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
 
-
-def main(out_png, paths):
     panels = []
     for path in paths:
-        d = json.load(open(path))
+        with open(path) as f:
+            d = json.load(f)
         mode = {"default": "NVLink", "no_p2p": "no P2P", "net": "net"}[d["meta"]["mode"]]
         rows = [r for r in d["rows"] if r["chunks"]]  # overlapped rows only
         title = f"{mode}, {d['meta']['device']} x{d['meta']['world_size']}, {d['meta']['date']}"
@@ -50,8 +56,13 @@ def main(out_png, paths):
         ax.set_title(title, fontsize=9)
         ax.legend(fontsize=7, ncol=4, loc="upper right")
     fig.tight_layout()
+    pathlib.Path(out_png).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out_png, dpi=110)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2:])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("png", help="the chart to write")
+    ap.add_argument("json", nargs="+", help="JSON files written by python -m overlap.bench")
+    a = ap.parse_args()
+    main(a.png, a.json)

@@ -3,22 +3,24 @@
 Usage: python tools/bench_table.py bench_results/bench_nvlink.json [...]
 """
 
+import argparse
 import json
-import sys
 
 
 def _f(v, fmt="{:.3f}"):
     return "-" if v is None else fmt.format(v)
 
 
-def main(paths):
+def main(paths: list[str]) -> None:
+    """Prints one markdown row per JSON row of every file in ``paths``."""
     print(
         "| mode | shape | collective | chunks | cuBLAS | our GEMM | comm | sequential | "
         "overlap | speedup | eta | async-TP | host ms/call | peak MB seq/ovl |"
     )
     print("|" + "---|" * 14)
     for path in paths:
-        d = json.load(open(path))
+        with open(path) as f:
+            d = json.load(f)
         mode = {"default": "NVLink", "no_p2p": "no P2P", "net": "net"}[d["meta"]["mode"]]
         for r in d["rows"]:
             chunks = r["chunks"] or "plain"
@@ -33,4 +35,6 @@ def main(paths):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("json", nargs="+", help="JSON files written by python -m overlap.bench")
+    main(ap.parse_args().json)

@@ -20,7 +20,7 @@ each block. The combine sends back what the dispatch received. The plain per-exp
 row indices are computed once, outside the timed region. Each op is checked once (relative
 norm error against plain, 1e-4 fp32, 3e-2 bf16/fp16; above it the run fails), then both are
 timed: median over ``--iters`` after ``--warmup`` (CUDA events; perf_counter on CPU), the
-slowest rank's. Rank 0 prints a table and writes ``--json``.
+slowest rank's. Rank 0 prints a table and writes ``--out``.
 
     python tools/exchange_bench.py                 # no GPU (or --cpu): 2 CPU ranks, gloo,
                                                    # Triton's interpreter, tiny sizes, fp32
@@ -40,7 +40,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from benchrun import DTYPES, add_options, fill_defaults, launch, rel_err, time_ms, write_json
+from _benchrun import DTYPES, add_options, fill_defaults, launch, rel_err, time_ms, write_json
 
 OPS = ("all_gather", "uneven_a2a", "moe_combine", "moe_dispatch", "embedding")
 SMALL = dict(tokens=32, hidden=64, ffn=128, experts=2, topk=2, tables=2, table_rows=1000,
@@ -180,7 +180,7 @@ def _report(a, dev, R, timing_meaningful, rows, errors, tol) -> None:
 def main() -> None:
     """Parses the arguments; spawns 2 CPU ranks, or runs as a torchrun worker."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_options(ap, SMALL, "bench_results/exchange_bench.json")
+    add_options(ap, SMALL, "bench_out/exchange_bench.json")
     ap.add_argument("--ops", default=",".join(OPS), help=f"comma-separated subset of {OPS}")
     ap.add_argument("--skew", type=float, default=2.0, help="rank 0 receives this many times more")
     ap.add_argument("--chunks", type=int, default=None, help="default: the library's (CPU: 2)")

@@ -2,14 +2,23 @@
 of real models. Prints a table and writes JSON.
 
     python tools/gemm_sweep.py OUT.json [--suite bench|models|all] [--dtypes bf16,fp16]
-        [--layouts nk,kn] [--kernels ar,rs,ce,cbar,cbrs] [--configs "BM,BN,BK,W,S;..."] [--fp32]
+        [--layouts nk,kn] [--kernels ar,rs,ce,cel,cbar,cbrs,ce:128x256x64/8/3,ce@main]
+        [--configs "BM,BN,BK,W,S;..."] [--fp32] [--baseline NAME=matmul.py ...]
 
 Kernels (each with the plan the library makes for it, world size = the shape's TP degree):
 
 - ``ar``: the NCCL path's chunk GEMM on an all-reduce plan (row bands of the standard layout);
 - ``rs``: the same on a reduce-scatter plan (each band one run per rank);
 - ``ce``: the copy engines' fused kernel (blocked all-reduce plan, rank 0, the peers' partials
-  added from receive slots whose flags are already set).
+  added from receive slots whose flags are already set);
+- ``cel``: the kernel on the copy engines' blocked plan without the fused epilogue (every tile
+  to its slot, one program per tile): the band layout alone, for ``ce`` against ``ar``;
+- ``cbar``, ``cbrs``: cuBLAS per chunk into the slots of the ``ar`` and ``rs`` plans.
+
+A kernel named ``KIND:BMxBNxBK/W/S`` runs with that tile config (``--configs``: every kernel). A
+kernel name may end in ``@NAME``: the same kernel through ``--baseline NAME=PATH``, a copy of
+another version's ``overlap/gemm/matmul.py`` (e.g. ``git show main:overlap/gemm/matmul.py``, its
+``from ..`` imports made ``from overlap.``), for an A/B in one run.
 
 Shapes (``--suite``): ``bench``, the benchmark's four; ``models``, the q/k/v, o, gate+up and
 down projections of Llama-3-8B (hidden 4096, FFN 14336, 32 heads, 8 KV heads), Llama-3-70B
@@ -19,7 +28,8 @@ are ``[M, hidden] @ [hidden, out / TP]``, row-parallel ones (o, down) ``[M, in /
 hidden]``. Layouts: ``nk`` is ``w = weight.t()`` (nn.Linear), ``kn`` a row-major ``[K, N]``
 weight. Products under 2e11 FLOP, which the library runs on the plain path, get the 2-chunk plan
 that ``chunks=2`` forces (what the planner's rule gives them). Times:
-``triton.testing.do_bench`` medians (L2 flushed), the kernels and cuBLAS taking turns; each
+``triton.testing.do_bench`` medians (L2 flushed), the kernels and cuBLAS taking turns (every
+other turn in reverse order); each
 product checked against cuBLAS's and the counters against the plan. ``--configs`` replaces the
 library's tile config (a variant per config); ``--fp32``: fp32 inputs (the kernel's tf32x3
 against cuBLAS fp32)."""
@@ -27,15 +37,22 @@ against cuBLAS fp32)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.util
 import json
 import statistics
+import sys
 import time
 
 import torch
+import triton
 from triton.testing import do_bench
 
+import overlap.gemm
 from overlap.bench import kernel_alone
-from overlap.plan import Tiles, make_plan
+from overlap.plan import MIN_OVERLAP_FLOPS, Tiles, make_plan
+
+_BASE = {}  # NAME: the --baseline module NAME
 
 BENCH = [(4096, 8192, 4096), (8192, 8192, 14336), (16384, 8192, 4096), (8192, 4096, 4096)]
 # name: (hidden, ffn, heads, kv_heads), head dim 128
@@ -104,15 +121,30 @@ def _cublas_chunks(x, w, plan, slots):
     return launch
 
 
+@contextlib.contextmanager
+def _kernel_of(base: str):
+    """``overlap.gemm.chunked_matmul`` replaced by the ``--baseline`` module ``base``'s (if
+    not "") while ``kernel_alone`` binds it."""
+    keep = overlap.gemm.chunked_matmul
+    if base:
+        overlap.gemm.chunked_matmul = _BASE[base].chunked_matmul
+    try:
+        yield
+    finally:
+        overlap.gemm.chunked_matmul = keep
+
+
 def _variant(kind, x, w, tp, dtype, tiles):
     """``(launch, check)``: ``launch()`` runs the kernel, ``check(y)`` returns its error
     against cuBLAS's ``y`` and whether its counters match the plan. Kinds: ``ar``, ``rs``
     (the kernel of the NCCL transport's plans), ``ce`` (the copy engines' fused epilogue),
-    ``cbar``, ``cbrs`` (cuBLAS per chunk into the slots of the ``ar`` and ``rs`` plans)."""
+    ``cel`` (``ce``'s plan, plain epilogue), ``cbar``, ``cbrs`` (cuBLAS per chunk into the
+    slots of the ``ar`` and ``rs`` plans); ``@NAME``: through the ``--baseline`` module NAME."""
+    kind, _, base = kind.partition("@")
     M, K = x.shape
     N = w.shape[1]
     coll = "reduce_scatter" if kind.endswith("rs") else "all_reduce"
-    blocked = kind == "ce"
+    blocked = kind in ("ce", "cel")
     if coll == "reduce_scatter" and M % tp:
         return None
     kw = dict(world_size=tp, collective=coll, dtype_bits=dtype.itemsize * 8, tiles=tiles,
@@ -122,7 +154,12 @@ def _variant(kind, x, w, tp, dtype, tiles):
         plan = make_plan(M, N, K, chunks=2, **kw)  # planner's rule gives 2 chunks there
     if plan.path != "overlap":
         return None
-    launch, bufs = kernel_alone(x, w, plan)
+    with _kernel_of(base):
+        launch, bufs = kernel_alone(x, w, plan)
+        if kind == "cel":  # the blocked plan's tiles, every one to its slot
+            mm = overlap.gemm.chunked_matmul
+            launch = lambda: mm(x, w, bufs["slots"], bufs["counters"], plan)  # noqa: E731
+            blocked = False
     slots, cnt, out, recv = bufs["slots"], bufs["counters"], bufs.get("out"), bufs.get("recv")
     calls = [0]
     cublas = _cublas_chunks(x, w, plan, slots) if kind.startswith("cb") else None
@@ -156,17 +193,24 @@ def _variant(kind, x, w, tp, dtype, tiles):
 def _write(path: str, rows: list[dict], t0: float, verbose: bool = False) -> None:
     """The JSON: rows, and per kernel the median and worst ratio to cuBLAS."""
     summary = {}
-    for n in {k for r in rows for k in r["kernels"]}:
-        ratios = [r["kernels"][n]["ratio"] for r in rows if n in r["kernels"]]
-        worst = max((r for r in rows if n in r["kernels"]), key=lambda r: r["kernels"][n]["ratio"])
-        summary[n] = dict(median=statistics.median(ratios), worst=max(ratios), n=len(ratios),
-                          worst_at=f"{worst['label']} {worst['M']}x{worst['N']}x{worst['K']} "
-                                   f"{worst['dtype']} {worst['layout']}")  # fmt: skip
-        if verbose:
-            s = summary[n]
-            print(f"{n}: x cuBLAS median {s['median']:.3f}, worst {s['worst']:.3f} at "
-                  f"{s['worst_at']} ({len(ratios)} rows)")  # fmt: skip
+    for n in sorted({k for r in rows for k in r["kernels"]}):
+        for big in (False, True):  # all rows; the products the library overlaps by default
+            sel = [r for r in rows if n in r["kernels"]
+                   and (not big or 2 * r["M"] * r["N"] * r["K"] >= MIN_OVERLAP_FLOPS)]  # fmt: skip
+            if not sel:
+                continue
+            ratios = [r["kernels"][n]["ratio"] for r in sel]
+            worst = max(sel, key=lambda r: r["kernels"][n]["ratio"])
+            key = f"{n} >=2e11" if big else n
+            at = f"{worst['M']}x{worst['N']}x{worst['K']} {worst['dtype']} {worst['layout']}"
+            summary[key] = dict(median=statistics.median(ratios), worst=max(ratios),
+                                n=len(ratios), worst_at=f"{worst['label']} {at}")  # fmt: skip
+            if verbose:
+                s = summary[key]
+                print(f"{key}: x cuBLAS median {s['median']:.3f}, worst {s['worst']:.3f} at "
+                      f"{s['worst_at']} ({len(ratios)} rows)")  # fmt: skip
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                triton=triton.__version__, cuda=torch.version.cuda,
                 date=time.strftime("%Y-%m-%d"), seconds=round(time.time() - t0))  # fmt: skip
     with open(path, "w") as f:
         json.dump({"meta": meta, "summary": summary, "rows": rows}, f, indent=1)
@@ -181,8 +225,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--kernels", default="ar,rs,ce")
     ap.add_argument("--configs", default="", help="BM,BN,BK,W,S;... (default: the library's)")
     ap.add_argument("--fp32", action="store_true", help="fp32 inputs (--dtypes fp32)")
-    ap.add_argument("--rounds", type=int, default=2, help="turns of every variant per shape")
+    ap.add_argument("--rounds", type=int, default=4, help="turns of every variant per shape")
+    ap.add_argument("--baseline", action="append", default=[],
+                    help="NAME=PATH: another matmul.py, for kernels named KIND@NAME")  # fmt: skip
     a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("tools/gemm_sweep.py needs CUDA GPUs and this machine has none; on one that "
+                 "has: python tools/gemm_sweep.py OUT.json")  # fmt: skip
+    for b in a.baseline:
+        name, path = b.split("=", 1)
+        spec = importlib.util.spec_from_file_location(f"gemm_{name}", path)
+        _BASE[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(_BASE[name])
     dtypes = ["fp32"] if a.fp32 else a.dtypes.split(",")
     configs = [Tiles(*(int(v) for v in c.split(","))) for c in a.configs.split(";") if c] or [None]
     kernels = a.kernels.split(",")
@@ -198,8 +252,13 @@ def main(argv: list[str] | None = None) -> None:
                 y = torch.empty(M, N, device="cuda", dtype=dtype)
                 fns = {"cublas": lambda x=x, w=w, y=y: torch.matmul(x, w, out=y)}
                 checks, plans, regs = {}, {}, {}
-                for kind in kernels:
-                    for cfg in configs:
+                for spec in kernels:
+                    kind, _, own = spec.partition(":")  # KIND:BMxBNxBK/W/S[@NAME]: own config
+                    if "@" in own:
+                        own, base = own.split("@")
+                        kind += "@" + base
+                    own = own.replace("/", "x").split("x") if own else None
+                    for cfg in [Tiles(*(int(v) for v in own))] if own else configs:
                         name = kind if cfg is None else f"{kind}:{cfg.block_m}x{cfg.block_n}x" \
                             f"{cfg.block_k}/{cfg.num_warps}/{cfg.num_stages}"  # fmt: skip
                         v = _variant(kind, x, w, tp, dtype, cfg)
@@ -210,8 +269,10 @@ def main(argv: list[str] | None = None) -> None:
                         regs[name] = (k.n_regs, k.n_spills) if k is not None else None
                         fns[name], checks[name], plans[name] = launch, check, plan
                 times = {n: [] for n in fns}
-                for _ in range(a.rounds):
-                    for n, fn in fns.items():
+                for i in range(a.rounds):
+                    # every other round backwards: a kernel's place in the turn moved its time
+                    # by ~2-4% (the same kernel 2.4% apart, gemm_ce_s13_peers.json)
+                    for n, fn in list(fns.items())[:: 1 - 2 * (i % 2)]:
                         times[n].append(do_bench(fn, warmup=5, rep=20, return_mode="median"))
                 fns["cublas"]()
                 cub = statistics.median(times["cublas"])

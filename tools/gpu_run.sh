@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One device call: environment, then what MODE asks for. Logs and JSON under $OUT (or ./gpu_out).
 # Usage: bash tools/gpu_run.sh MODE [MODE...]
+# One device call: environment, then what MODE asks for; logs and JSON under $OUT (default
+# bench_out/gpu). Modes:
 #   suite    the GPU suite, one process per test (a hang costs one test's 150 s), 2+ GPUs
 #   one_gpu  what one GPU can run: the launch-memo and host-road tests, the host profile, the
 #            model and exchange benchmarks' correctness checks (two ranks on one GPU)
@@ -12,7 +13,15 @@
 # The 2-GPU suite does not fit one 600 s call: split it with PYTEST_K (a pytest -k expression)
 # over two calls. TEST_TIMEOUT: seconds per test (150 unless set).
 set -u
-OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
+usage() { sed -n '2,/^set -u/{/^#/s/^# \{0,1\}//p}' "$0"; }
+case "${1:-}" in -h | --help) usage; exit 0 ;; "") usage >&2; exit 2 ;; esac
+for mode in "$@"; do
+  case $mode in suite | one_gpu | bench | soak | soak1 | timeline | four) ;;
+    *) echo "tools/gpu_run.sh: unknown mode $mode (--help lists them)" >&2; exit 2 ;; esac
+done
+python3 -c "import sys, torch; sys.exit(not torch.cuda.is_available())" ||
+  { echo "tools/gpu_run.sh needs CUDA GPUs and this machine has none" >&2; exit 1; }
+OUT=${OUT:-bench_out/gpu}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 quiet() { grep -v "^W1\|OMP_NUM_THREADS\|^\*\*\*"; }
@@ -51,9 +60,9 @@ for mode in "$@"; do
         grep "^== \|host ms\|relative" "/tmp/host_$c.txt" | tee -a "$OUT/host_one_gpu.txt"
       done
       NCCL_P2P_DISABLE=1 timeout 240 torchrun --nproc-per-node=2 tools/model_bench.py --one-gpu \
-        --iters 3 --warmup 1 --json "$OUT/model_bench_one_gpu.json" 2>&1 | quiet | tail -8
+        --iters 3 --warmup 1 --out "$OUT/model_bench_one_gpu.json" 2>&1 | quiet | tail -8
       NCCL_P2P_DISABLE=1 timeout 240 torchrun --nproc-per-node=2 tools/exchange_bench.py --one-gpu \
-        --iters 3 --warmup 1 --json "$OUT/exchange_bench_one_gpu.json" 2>&1 | quiet | tail -10 ;;
+        --iters 3 --warmup 1 --out "$OUT/exchange_bench_one_gpu.json" 2>&1 | quiet | tail -10 ;;
     bench)
       run_bench nvlink --iters 20
       NCCL_P2P_DISABLE=1 run_bench no_p2p --iters 20 --shapes $big ;;
@@ -70,6 +79,5 @@ for mode in "$@"; do
       timeout 120 python3 examples/tp_linear.py 2>&1 | quiet | tee "$OUT/example.log"
       NPROC=4 run_bench four_nvlink --shapes $big --iters 10
       NPROC=4 NCCL_P2P_DISABLE=1 BENCH_TIMEOUT=200 run_bench four_no_p2p --shapes 4096x8192x4096,16384x8192x4096 --iters 5 ;;
-    *) echo "unknown mode $mode"; exit 2 ;;
   esac
 done

@@ -2,7 +2,7 @@
 ``--collective all_gather`` profiles ``all_gather_matmul`` (``--shape``: the gathered M).
 
     torchrun --nproc-per-node=2 tools/host_profile.py --shape 4096x8192x4096 \
-        --collective reduce_scatter --backend torch --out host.txt
+        --collective reduce_scatter --backend torch
 
 Rank 0 prints (and writes) the host milliseconds per call of the plain and the overlapped
 path, the overlapped call's when replayed from a CUDA graph (``graph.replay()``), and the
@@ -11,7 +11,7 @@ OUT.prof). The GPU sleeps between calls so that the host never waits for it and 
 host's own work is measured: each call alone after a barrier, and calls back to back in
 bursts of ``BURST`` (what a model issuing layer after layer pays). Calls repeat their
 arguments, so copy-engine calls replay their recorded graphs (``ops._recorded``);
-``--distinct`` lets the library keep one record (``ops.MAX_RECORDS = 1``) and alternates two
+``--distinct`` lets the library keep one record (``ops._record.MAX_RECORDS = 1``) and alternates two
 outputs, so every call is issued in full.
 
 ``--one-gpu``: both ranks on GPU 0 over gloo (a machine with one GPU; the overlapped call
@@ -27,6 +27,7 @@ import cProfile
 import io
 import itertools
 import os
+import pathlib
 import pstats
 import time
 
@@ -53,6 +54,7 @@ def main() -> None:
     import torch.distributed as dist
 
     import overlap
+    from overlap.bench import need_gpus
     from overlap.collectives import collective
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -60,7 +62,7 @@ def main() -> None:
     ap.add_argument("--collective", default="reduce_scatter")
     ap.add_argument("--backend", default="torch")
     ap.add_argument("--calls", type=int, default=50)
-    ap.add_argument("--out", default="host_profile.txt")
+    ap.add_argument("--out", default="bench_out/host_profile.txt", help="default: %(default)s")
     ap.add_argument("--one-gpu", action="store_true")
     ap.add_argument(
         "--distinct",
@@ -68,7 +70,11 @@ def main() -> None:
         help="a new output address at every call (no recorded graph is replayed)",
     )
     args = ap.parse_args()
-    local = 0 if args.one_gpu else int(os.environ.get("LOCAL_RANK", 0))
+    tool = "tools/host_profile.py"
+    need_gpus(tool, f"torchrun --nproc-per-node=2 {tool} (2 GPUs), or on one GPU: "
+              f"NCCL_P2P_DISABLE=1 torchrun --nproc-per-node=2 {tool} --one-gpu")  # fmt: skip
+    pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    local = 0 if args.one_gpu else int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local)
     dev = torch.device("cuda", local)
     if args.one_gpu:
@@ -91,12 +97,12 @@ def main() -> None:
         else:
             collective(args.collective).plain(x @ w, out, None)
 
-    import overlap.ops
+    import overlap.ops._record
 
     # --distinct: the library keeps one record and calls alternate two outputs, so each call
     # evicts the other's record and every call is a first sighting, issued in full
     if args.distinct:
-        overlap.ops.MAX_RECORDS = 1
+        overlap.ops._record.MAX_RECORDS = 1
     ring = itertools.cycle([out, torch.empty_like(out)] if args.distinct else [out])
 
     def ovl(o=None):

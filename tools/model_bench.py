@@ -12,7 +12,7 @@ sequence-parallel setting: ``prefill`` (forward under ``no_grad``) and ``train``
 backward of ``(y * g).sum()``), the median over ``--iters``; tokens/s = ``--seq`` / time. The
 overlap mode's output, input and weight gradients are checked against the plain mode's once
 per setting (relative norm error, 1e-4 fp32, 3e-2 bf16/fp16; above it the run fails). Rank 0
-prints a table and writes ``--json``. The linears carry no bias (the example's ``o`` bias is
+prints a table and writes ``--out``. The linears carry no bias (the example's ``o`` bias is
 dropped). torch's async-TP is not a mode yet (to be added where it runs, on 2+ GPUs).
 
     python tools/model_bench.py                    # no GPU (or --cpu): 2 CPU ranks, gloo,
@@ -34,7 +34,7 @@ import pathlib
 
 import torch
 import torch.distributed as dist
-from benchrun import DTYPES, add_options, fill_defaults, launch, rel_err, time_ms, write_json
+from _benchrun import DTYPES, add_options, fill_defaults, launch, rel_err, time_ms, write_json
 from torch import nn
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -204,7 +204,7 @@ def _report(args, dev, R, timing_meaningful, rows, errors, tol) -> None:
 def main() -> None:
     """Parses the arguments; spawns 2 CPU ranks, or runs as a torchrun worker."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_options(ap, SMALL, "bench_results/model_bench.json")
+    add_options(ap, SMALL, "bench_out/model_bench.json")
     ap.add_argument("--sequence-parallel", choices=("0", "1", "both"), default="both")
     args = ap.parse_args()
     launch(args, fill_defaults(args, SMALL, LARGE), bench, "model_bench.py")

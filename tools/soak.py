@@ -3,7 +3,7 @@
 too), dtypes, chunk counts and ops, every result checked against the
 plain torch path in fp32, memory tracked.
 
-    torchrun --nproc-per-node=2 tools/soak.py --seconds 90 --out soak.json
+    torchrun --nproc-per-node=2 tools/soak.py --seconds 90
 
 Every rank draws the same case sequence (seeded), its own inputs. Validation mode is switched
 on for every other block of 250 calls. Prints a summary and writes JSON (rank 0).
@@ -20,6 +20,7 @@ import argparse
 import dataclasses
 import json
 import os
+import pathlib
 import random
 import time
 
@@ -27,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 import overlap
+from overlap.bench import need_gpus
 from overlap.plan import make_split_plan
 
 SHAPES = [  # (M, K, N)
@@ -169,15 +171,20 @@ def _one_call(rng, gen, dev, R):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+    """Parses the arguments, runs the soak as this torchrun worker, reports on rank 0."""
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--seconds", type=float, default=90)
     ap.add_argument("--calls", type=int, default=100_000)
     ap.add_argument("--seed", type=int, default=2026)
-    ap.add_argument("--out", default="soak.json")
+    ap.add_argument("--out", default="bench_out/soak.json", help="JSON file (default: %(default)s)")
     ap.add_argument("--one-gpu", action="store_true", help="both ranks on GPU 0, over gloo")
     a = ap.parse_args()
     global ON_HOST
     ON_HOST = a.one_gpu
+    need_gpus("tools/soak.py", "torchrun --nproc-per-node=2 tools/soak.py (2 GPUs), or on one GPU: "
+              "NCCL_P2P_DISABLE=1 torchrun --nproc-per-node=2 tools/soak.py --one-gpu")  # fmt: skip
     rank = int(os.environ["RANK"])
     torch.cuda.set_device(0 if a.one_gpu else int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("gloo" if a.one_gpu else "nccl")
@@ -226,8 +233,9 @@ def main() -> None:
             ),
         }
         print(json.dumps({k: v for k, v in result.items() if k != "memory_rank0"}, indent=1))
-        with open(a.out, "w") as f:
-            json.dump(result, f, indent=1)
+        out = pathlib.Path(a.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1))
     dist.destroy_process_group()
 
 

@@ -3,8 +3,8 @@ was ready and when its collective finished, beside the sequential GEMM + collect
 
 Measure on 2 GPUs (GPU global timer, ns), then draw anywhere (matplotlib):
 
-    torchrun --nproc-per-node=2 tools/timeline.py --shape 4096x8192x4096 --out timeline.json
-    python tools/timeline.py --plot timeline.json --png timeline.png
+    torchrun --nproc-per-node=2 tools/timeline.py --shape 4096x8192x4096
+    python tools/timeline.py --plot bench_out/timeline.json
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pathlib
+import sys
 
 
 def measure(shape: str, collective: str, chunks: int | None, out: str, backend: str) -> None:
@@ -20,10 +22,8 @@ def measure(shape: str, collective: str, chunks: int | None, out: str, backend: 
     import triton
     import triton.language as tl
 
-    import overlap
     from overlap.collectives import collective as spec
-    from overlap.context import context
-    from overlap.ops import overlapped
+    from overlap.ops._engine import decide, overlapped
 
     @triton.jit
     def _stamp(ptr, i):
@@ -45,11 +45,10 @@ def measure(shape: str, collective: str, chunks: int | None, out: str, backend: 
     g = torch.Generator(device=dev).manual_seed(7 + dist.get_rank())
     x = torch.randn(M, K, device=dev, dtype=torch.bfloat16, generator=g)
     w = torch.randn(N, K, device=dev, dtype=torch.bfloat16, generator=g).t()
-    p = overlap.plan(x, w, collective, chunks=chunks, backend=backend)
+    p, ctx, cls = decide(x, w, collective, None, chunks, backend, False)
     assert p.path == "overlap", p.describe()
     out2 = torch.empty(spec(collective).result_shape((M, K), N, R), device=dev, dtype=x.dtype)
-    ctx = context(None, dev)
-    if p.transport == "ce":
+    if cls.sized:
         # No stamps: they are kernels on the communication stream, which the copy-engine
         # transport keeps free of SM work (the GEMM's waiting tiles could hold every SM).
         Trace.stamp = lambda self, i: None
@@ -60,7 +59,7 @@ def measure(shape: str, collective: str, chunks: int | None, out: str, backend: 
         dist.barrier()
         torch.cuda.synchronize()
         torch.cuda._sleep(2_000_000)  # the host queues the whole call first, as in the bench
-        overlapped(x, w, out2, p, None, ctx, False, trace)
+        overlapped(x, w, out2, p, None, ctx, cls, False, trace)
         torch.cuda.synchronize()
         runs.append(trace)
     trace = runs[-1]
@@ -98,14 +97,18 @@ def measure(shape: str, collective: str, chunks: int | None, out: str, backend: 
         meta = {"shape": shape, "collective": collective, "plan": p.describe(),
                 "backend": p.transport, "device": torch.cuda.get_device_name(),
                 "torch": torch.__version__}  # fmt: skip
-        with open(out, "w") as f:
-            json.dump({"meta": meta, "ranks": per_rank}, f)
+        path = pathlib.Path(out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"meta": meta, "ranks": per_rank}))
         print(f"wrote {out}: {p.describe()}")
     dist.destroy_process_group()
 
 
 def plot(path: str, png: str) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ModuleNotFoundError:
+        sys.exit("tools/timeline.py --plot needs matplotlib: pip install matplotlib")
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -143,23 +146,30 @@ def plot(path: str, png: str) -> None:
     end = max(stamps[-1:] + [max(t[1] for t in tiles), g_us + c_us])
     ax_c.set_xlim(0, end * 1.02)
     fig.tight_layout()
+    pathlib.Path(png).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png, dpi=130)
     print(f"wrote {png}")
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--shape", default="4096x8192x4096", help="MxNxK")
     ap.add_argument("--collective", default="all_reduce")
     ap.add_argument("--chunks", type=int, default=None)
     ap.add_argument("--backend", default="auto", help="auto, torch, cupy or ce")
-    ap.add_argument("--out", default="timeline.json")
-    ap.add_argument("--plot", help="draw this JSON instead of measuring")
-    ap.add_argument("--png", default="timeline.png")
+    ap.add_argument("--out", default="bench_out/timeline.json", help="default: %(default)s")
+    ap.add_argument("--plot", help="draw this JSON instead of measuring (any machine)")
+    ap.add_argument("--png", default="bench_out/timeline.png", help="default: %(default)s")
     a = ap.parse_args()
     if a.plot:
         plot(a.plot, a.png)
     else:
+        from overlap.bench import need_gpus
+
+        need_gpus("tools/timeline.py", "torchrun --nproc-per-node=2 tools/timeline.py (2 GPUs); "
+                  "--plot FILE draws a measured timeline on any machine")  # fmt: skip
         measure(a.shape, a.collective, a.chunks, a.out, a.backend)
 
 

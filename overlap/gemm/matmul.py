@@ -15,10 +15,16 @@ The main loop is a plain Triton tiled loop. What differs from a plain GEMM:
   ``Epilogue`` (a copy-engine transport, ``overlap/contract.py``), this rank's own tiles
   first add the peers' partials, loaded through TMA where the rows are 16-byte aligned
   (pointer loads held 254 registers and took ~4 us more per call at 4096x8192x4096 on H200).
-- Launch: one program per tile. Persistent programs with a flattened tile loop ran the plain
-  kernel at 0.99-1.04x cuBLAS against 1.02-1.07x (one H200), but starved NCCL's kernels on
-  the NCCL path (0.80-0.99x of sequential on 2x H200) and made no path faster, so the mode
-  was removed (git history has it).
+- Launch: on the NCCL road one program per tile: persistent programs starved NCCL's kernels
+  there (0.80-0.99x of sequential on 2x H200). On the copy engines' road (an ``Epilogue``; no
+  SM does communication) one program per SM: the peers' tiles in a flattened loop (the next
+  tile's loads overlap this one's store, which goes in two halves so that 4 load stages fit
+  in shared memory), then this rank's own tiles, whose fused epilogue (flag waits, partials)
+  stays out of the flattened loop (in it the fused kernel ran ~1.5x slower). One H200, bf16,
+  ``weight.t()``, 56 model products >= 2e11 FLOP, against one program per 256x128 tile:
+  with 128x256x64 tiles, 8 warps, 4 stages 0.980x the time (median of two runs' medians;
+  faster on 48-51 of 56, worst 1.020-1.023x), with the plans' 256x128x64 tiles 0.999-1.000x
+  (``gemm_ce_s13_persistent.json``, ``gemm_suite_s13_final_h200.json``).
 - Host cost: after the first launch of a specialization the launcher is called directly
   (``_launch``): 38-45 us per launch instead of 57-72 through Triton's JIT (H200 host).
 
@@ -65,18 +71,20 @@ def _load_ab(
 
 
 @triton.jit
-def _chunked_matmul_kernel(
-    x_ref, w_ref, slots_ptr, counter_ptr, trace_ptr, bad_rows_ptr, bad_cols_ptr,
+def _tile(
+    pid, x_ref, w_ref, slots_ptr, counter_ptr, trace_ptr, bad_rows_ptr, bad_cols_ptr,
     out_ptr, recv_ref, flags_ptr, rank, world, first_band, bands_per_block, out_row0,
     M, N, K, stride_xm, stride_xk, stride_wk, stride_wn,
     num_pid_m, tiles_per_band, run_rows_full, run_rows_last, n_bands, chunk_cols, scale,
     RUNS: tl.constexpr, X_DESC: tl.constexpr, W_MODE: tl.constexpr, P_DESC: tl.constexpr,
-    EPILOGUE: tl.constexpr, HAS_SCALE: tl.constexpr, PRECISION: tl.constexpr,
-    TRACE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
+    ROTATE: tl.constexpr, EPILOGUE: tl.constexpr, HAS_SCALE: tl.constexpr,
+    PRECISION: tl.constexpr, TRACE: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    HALVES: tl.constexpr, ASM_BARRIER: tl.constexpr,
 ):  # fmt: skip
-    # One program per tile; program ids are the launch order, so chunks finish in order.
-    pid = tl.program_id(axis=0)
+    """Tile ``pid`` (launch order): its product to its slot, or for this rank's own block
+    with an epilogue (``EPILOGUE`` not ``EPI_SLOTS``) into ``out``; then its chunk's count.
+    ``ROTATE``: the blocked plan's launch order (own block last)."""
     if TRACE:  # tools/timeline.py: when each tile starts and ends, its SM and chunk
         tl.store(trace_ptr + 4 * pid, tl.extra.cuda.globaltimer())
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -91,7 +99,7 @@ def _chunked_matmul_kernel(
     # tiles_per_band: tile rows of a full band; the last band has as many or fewer.
     launch_a = tl.minimum(pid_m // tiles_per_band, n_bands - 1)  # bands finish in launch order
     band_a = launch_a
-    if EPILOGUE != EPI_SLOTS:  # blocked plan (overlap/contract.py): rotated, own block last
+    if ROTATE:  # blocked plan (overlap/contract.py): rotated, own block last
         band_a = (launch_a + first_band) % n_bands
     run_rows = tl.where(band_a == n_bands - 1, run_rows_last, run_rows_full)
     tiles_per_run = tl.cdiv(run_rows, BLOCK_M)
@@ -180,16 +188,85 @@ def _chunked_matmul_kernel(
         # Slot of chunk (a, b): band_rows x band_cols row-major at row0 * N + col0 * band_rows.
         slot = row0.to(tl.int64) * N + col0 * band_rows
         rows = (slot_row0 - row0 + offs_i).to(tl.int64)
-        offs = slot + rows[:, None] * band_cols + (offs_n - col0)[None, :]
-        tl.store(slots_ptr + offs, acc.to(slots_ptr.dtype.element_ty), mask=mask)
+        if HALVES:  # stored in two halves: half the shared memory that stages the store
+            h0, h1 = tl.split(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)).permute(0, 2, 1))
+            offs_h = n0 + tl.arange(0, BLOCK_N // 2)
+            mask_h = (offs_i[:, None] < valid_rows) & (offs_h[None, :] < N)
+            offs = slot + rows[:, None] * band_cols + (offs_h - col0)[None, :]
+            tl.store(slots_ptr + offs, h0.to(slots_ptr.dtype.element_ty), mask=mask_h)
+            offs_h += BLOCK_N // 2
+            mask_h = (offs_i[:, None] < valid_rows) & (offs_h[None, :] < N)
+            offs = slot + rows[:, None] * band_cols + (offs_h - col0)[None, :]
+            tl.store(slots_ptr + offs, h1.to(slots_ptr.dtype.element_ty), mask=mask_h)
+        else:
+            offs = slot + rows[:, None] * band_cols + (offs_n - col0)[None, :]
+            tl.store(slots_ptr + offs, acc.to(slots_ptr.dtype.element_ty), mask=mask)
     # Every thread's stores are issued before the one release atomic that counts the tile.
-    tl.debug_barrier()
     chunk = launch_a * tl.cdiv(N, chunk_cols) + band_b
+    if ASM_BARRIER:
+        # PTX bar.sync: tl.debug_barrier() inside a flattened tile loop stops Triton 3.6
+        # from pipelining it (one load buffer, 3.3x slower; gemm_s6_barrier.json).
+        chunk = tl.inline_asm_elementwise(
+            "bar.sync 0;\n mov.b32 $0, $1;", "=r,r", [chunk], dtype=tl.int32, is_pure=False,
+            pack=1,
+        )  # fmt: skip
+    else:
+        tl.debug_barrier()
     tl.atomic_add(counter_ptr + chunk, 1, sem="release", scope="gpu")
     if TRACE:
         tl.store(trace_ptr + 4 * pid + 1, tl.extra.cuda.globaltimer())
         tl.store(trace_ptr + 4 * pid + 2, tl.extra.cuda.smid().to(tl.int64))
         tl.store(trace_ptr + 4 * pid + 3, chunk.to(tl.int64))
+
+
+@triton.jit
+def _chunked_matmul_kernel(
+    x_ref, w_ref, slots_ptr, counter_ptr, trace_ptr, bad_rows_ptr, bad_cols_ptr,
+    out_ptr, recv_ref, flags_ptr, rank, world, first_band, bands_per_block, out_row0,
+    M, N, K, stride_xm, stride_xk, stride_wk, stride_wn,
+    num_pid_m, tiles_per_band, run_rows_full, run_rows_last, n_bands, chunk_cols, scale,
+    own_start, n_tiles,
+    RUNS: tl.constexpr, X_DESC: tl.constexpr, W_MODE: tl.constexpr, P_DESC: tl.constexpr,
+    EPILOGUE: tl.constexpr, HAS_SCALE: tl.constexpr, PRECISION: tl.constexpr,
+    TRACE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, PERSISTENT: tl.constexpr, ASM_BARRIER: tl.constexpr,
+):  # fmt: skip
+    # Tile ids are the launch order, so chunks finish in order. One program per tile, or
+    # (PERSISTENT, the copy engines' road: no SM is needed by the communication) one program
+    # per SM taking every num_programs-th tile: the peers' tiles (ids below own_start) in a
+    # flattened loop, whose next tile's loads overlap this one's epilogue, then this rank's
+    # own block, whose fused epilogue (flag waits, partials) stays out of the flattened loop.
+    if PERSISTENT:
+        p0, step = tl.program_id(axis=0), tl.num_programs(axis=0)
+        for pid in tl.range(p0, own_start, step, flatten=True):
+            _tile(
+                pid, x_ref, w_ref, slots_ptr, counter_ptr, trace_ptr, bad_rows_ptr, bad_cols_ptr,
+                out_ptr, recv_ref, flags_ptr, rank, world, first_band, bands_per_block,
+                out_row0, M, N, K, stride_xm, stride_xk, stride_wk, stride_wn, num_pid_m,
+                tiles_per_band, run_rows_full, run_rows_last, n_bands, chunk_cols, scale,
+                RUNS, X_DESC, W_MODE, P_DESC, True, EPI_SLOTS, HAS_SCALE, PRECISION, TRACE,
+                BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, True, ASM_BARRIER,
+            )  # fmt: skip
+        # the same round robin goes on past own_start
+        first = p0 + tl.cdiv(tl.maximum(own_start - p0, 0), step) * step
+        for pid in tl.range(first, n_tiles, step):
+            _tile(
+                pid, x_ref, w_ref, slots_ptr, counter_ptr, trace_ptr, bad_rows_ptr, bad_cols_ptr,
+                out_ptr, recv_ref, flags_ptr, rank, world, first_band, bands_per_block,
+                out_row0, M, N, K, stride_xm, stride_xk, stride_wk, stride_wn, num_pid_m,
+                tiles_per_band, run_rows_full, run_rows_last, n_bands, chunk_cols, scale,
+                RUNS, X_DESC, W_MODE, P_DESC, True, EPILOGUE, HAS_SCALE, PRECISION, TRACE,
+                BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, True, ASM_BARRIER,
+            )  # fmt: skip
+    else:
+        _tile(
+            tl.program_id(axis=0), x_ref, w_ref, slots_ptr, counter_ptr, trace_ptr,
+            bad_rows_ptr, bad_cols_ptr, out_ptr, recv_ref, flags_ptr, rank, world, first_band,
+            bands_per_block, out_row0, M, N, K, stride_xm, stride_xk, stride_wk, stride_wn,
+            num_pid_m, tiles_per_band, run_rows_full, run_rows_last, n_bands, chunk_cols, scale,
+            RUNS, X_DESC, W_MODE, P_DESC, EPILOGUE != EPI_SLOTS, EPILOGUE, HAS_SCALE,
+            PRECISION, TRACE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, False, ASM_BARRIER,
+        )  # fmt: skip
 
 
 def _tma_ok(t: torch.Tensor) -> bool:
@@ -264,6 +341,10 @@ def chunked_matmul(
     n_tiles = plan.num_tile_rows * -(-N // t.block_n)  # triton.cdiv costs ~5 us on the host
     R = plan.world_size
     mode, p_desc = EPI_SLOTS.value, False
+    interpret = knobs.runtime.interpret
+    # Persistent programs on the copy engines' road only (module docstring). The tf32x3
+    # tiles' second K loop stays out of the flattened loop.
+    persistent = epilogue is not None and not tf32x3
     e_args = (counters, counters, counters, 0, R, 0, 1, 0)  # unused
     if epilogue is not None:
         if not plan.blocked:
@@ -283,14 +364,39 @@ def chunked_matmul(
         M, N, K, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
         plan.num_tile_rows, plan.band_tile_rows(0), plan.run_rows, plan.run_rows_last,
         plan.n_row_bands, plan.chunk_cols, 1.0 if scale is None else scale,
+        n_tiles - n_tiles // R if persistent else n_tiles, n_tiles,
     )  # fmt: skip
     consts = dict(
         RUNS=plan.runs, X_DESC=x_ref is not x, W_MODE=w_mode, P_DESC=p_desc, EPILOGUE=mode,
         HAS_SCALE=scale is not None, PRECISION="tf32x3" if tf32x3 else "tf32",
         TRACE=trace is not None, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
-        GROUP_M=plan.group_m,
+        GROUP_M=plan.group_m, PERSISTENT=persistent, ASM_BARRIER=persistent and not interpret,
     )  # fmt: skip
-    return _launch(n_tiles, args, consts, t.num_warps, t.num_stages)
+    if not persistent:
+        return _launch(n_tiles, args, consts, t.num_warps, t.num_stages)
+    # The flattened loop keeps a buffer for the store beside the load stages: half a tile
+    # (HALVES), so 256x128x64 or 128x256x64 bf16 with 4 stages takes 224 KB of the 227.
+    es = x.element_size()
+    stages = min(t.num_stages, (_SMEM - t.block_m * t.block_n * es // 2)
+                 // ((t.block_m + t.block_n) * t.block_k * es))  # fmt: skip
+    return _launch(min(n_tiles, _programs(x.device)), args, consts, t.num_warps, stages)
+
+
+_SMEM = 227 * 1024  # shared memory per program on sm_90 (Triton's limit there)
+
+
+_sms: dict[int, int] = {}  # device index -> multiprocessors
+
+
+def _programs(device: torch.device) -> int:
+    """Programs of a persistent launch: one per SM; 3 in the interpreter (CPU tests then see
+    programs that take several tiles, and a round robin that crosses ``own_start``)."""
+    if knobs.runtime.interpret:
+        return 3
+    i = device.index if device.index is not None else torch.cuda.current_device()
+    if i not in _sms:
+        _sms[i] = torch.cuda.get_device_properties(i).multi_processor_count
+    return _sms[i]
 
 
 _CONSTS = tuple(_chunked_matmul_kernel.arg_names[_chunked_matmul_kernel.arg_names.index("RUNS") :])

@@ -46,7 +46,15 @@ from .. import comm, guard, stats
 from ..collectives import OPS, Collective, collective
 from ..comm import BACKENDS, TorchTransport, Transport
 from ..context import Context, check_group, context, plans, shapes, tuned, tuned_key
-from ..plan import MAX_CHUNKS, Plan, make_plan, splits_rows, tiles_for
+from ..plan import (
+    MAX_CHUNKS,
+    Plan,
+    SplitPlan,
+    make_plan,
+    make_split_plan,
+    splits_rows,
+    tiles_for,
+)
 from ..signal import wait_counter
 from . import _record
 
@@ -248,7 +256,9 @@ def plan(
     group: dist.ProcessGroup | None = None,
     chunks: int | None = None,
     backend: str = "auto",
-) -> Plan:
+    input_split_sizes: list[int] | None = None,
+    output_split_sizes: list[int] | None = None,
+) -> Plan | SplitPlan:
     """The plan a call with these arguments runs: ``path`` ("overlap" or "fallback"), the
     ``transport`` that moves its chunks, the chunks and tiles, and ``reason``;
     ``plan(...).describe()`` prints it.
@@ -257,16 +267,57 @@ def plan(
     copy engines have (a collective): every rank of ``group`` calls it then.
 
     Args:
-        x: ``[..., K]`` (for ``"all_gather"``: this rank's shard). w: ``[K, N]``.
+        x: ``[..., K]`` (for ``"all_gather"``: this rank's shard). w: ``[K, N]`` (the MoE
+            ops' ``[E, K, N]``: pass one expert's ``w[0]``).
             collective, group, chunks, backend: as in ``matmul_collective`` (and
-            ``"all_gather"``: ``all_gather_matmul``'s plan). The uneven exchanges' plans:
-            ``overlap.ops.exchange.split_plan``.
+            ``"all_gather"``: ``all_gather_matmul``'s plan).
+        input_split_sizes, output_split_sizes: an uneven all-to-all's splits (the MoE
+            combine and dispatch run the same plan): its ``SplitPlan``.
 
     Raises:
         ValueError, TypeError: on invalid arguments (the same checks as the call).
     """
     check_operands(x, w, collective, "sum", backend, group, chunks)
-    return decide(x, w, collective, group, chunks, backend, capturing(x))[0]
+    if input_split_sizes is None and output_split_sizes is None:
+        return decide(x, w, collective, group, chunks, backend, capturing(x))[0]
+    sends, receives = check_splits(x, collective, input_split_sizes, output_split_sizes, group)
+    return split_plan(sends, receives, w.shape[-1], x.shape[-1], chunks, backend)
+
+
+def check_splits(x, name, sends, receives, group) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The checked ``(input_split_sizes, output_split_sizes)`` of an uneven all-to-all, as
+    tuples."""
+    if name != "all_to_all":
+        raise ValueError(f"input_split_sizes / output_split_sizes are for all_to_all, not {name}")
+    if sends is None or receives is None:
+        raise ValueError("input_split_sizes and output_split_sizes go together (None for both: "
+                         "equal splits)")  # fmt: skip
+    R, M = world(group), math.prod(x.shape[:-1])
+    for what, s in (("input_split_sizes", sends), ("output_split_sizes", receives)):
+        if not isinstance(s, (list, tuple)) or not all(
+            isinstance(v, int) and not isinstance(v, bool) for v in s
+        ):  # fmt: skip
+            raise TypeError(f"{what} must be a list of ints (one per rank), got {s!r}")
+        if len(s) != R or min(s, default=0) < 0:
+            raise ValueError(f"{what} must be {R} non-negative ints (one per rank), got {s!r}")
+    if sum(sends) != M:
+        raise ValueError(f"input_split_sizes add up to {sum(sends)}, not to x's {M} rows")
+    rank = dist.get_rank(group) if R > 1 else 0
+    if sends[rank] != receives[rank]:  # (the rows this rank sends itself)
+        raise ValueError(
+            f"input_split_sizes[{rank}] ({sends[rank]}) and output_split_sizes[{rank}] "
+            f"({receives[rank]}) differ: they are the rows this rank (rank {rank}) sends itself"
+        )
+    return tuple(sends), tuple(receives)
+
+
+def split_plan(
+    sends: tuple[int, ...], receives: tuple[int, ...], N: int, K: int, chunks, backend: str
+) -> SplitPlan:
+    """The plan an uneven exchange runs: ``sends[j]`` rows of ``[M, K] @ [K, N]`` to rank
+    ``j``, ``receives[s]`` from rank ``s``, through ``comm.select_uneven(backend)``."""
+    cls = comm.select_uneven(backend)
+    return make_split_plan(sends, receives, N, K, chunks=chunks, transport=cls.name)
 
 
 def _agree(group, p: Plan, dtype, op: str) -> None:

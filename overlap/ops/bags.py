@@ -218,10 +218,11 @@ def _(tables, indices, offsets, group, mode, rank_dims, backend, chunks):
 @torch.library.custom_op("overlap::embedding_bag_all_to_all_backward", mutates_args=())
 def _bags_backward_op(
     g: torch.Tensor, tables: list[torch.Tensor], indices: list[torch.Tensor],
-    offsets: list[torch.Tensor], group: str, mode: str, rank_dims: list[int],
+    offsets: list[torch.Tensor], group: str, mode: str, rank_dims: list[int], need: list[bool],
 ) -> list[torch.Tensor]:  # fmt: skip
     """The tables' gradients: ``g [B / R, D_all]`` sent back (rank ``s`` gets its columns of
-    every batch slice: ``[B, D_s]``), then ``embedding_bag``'s own backward per table."""
+    every batch slice: ``[B, D_s]``), then ``embedding_bag``'s own backward per table where
+    ``need`` says (else empty: a frozen table's dense gradient would be as big as it)."""
     pg, R = group_of(group), len(rank_dims)
     D = sum(t.shape[1] for t in tables)
     b = g.shape[0]
@@ -235,8 +236,9 @@ def _bags_backward_op(
         dist.all_to_all_single(recv, send, [b * D] * R, [b * d for d in rank_dims], group=pg)
         full = recv.view(R * b, D)
     grads, at = [], 0
-    for t, i, o in zip(tables, indices, offsets, strict=True):
-        grads.append(_bag_grad(t, i, o, full[:, at : at + t.shape[1]], mode))
+    for t, i, o, needed in zip(tables, indices, offsets, need, strict=True):
+        part = full[:, at : at + t.shape[1]]
+        grads.append(_bag_grad(t, i, o, part, mode) if needed else t.new_empty(0))
         at += t.shape[1]
     return grads
 
@@ -269,8 +271,8 @@ def _bag_grad(t, idx, off, g, mode: str) -> torch.Tensor:
 
 
 @_bags_backward_op.register_fake
-def _(g, tables, indices, offsets, group, mode, rank_dims):
-    return [torch.empty_like(t) for t in tables]
+def _(g, tables, indices, offsets, group, mode, rank_dims, need):
+    return [torch.empty_like(t) if n else t.new_empty(0) for t, n in zip(tables, need, strict=True)]
 
 
 def _bags_setup(ctx, inputs, output) -> None:
@@ -282,9 +284,11 @@ def _bags_setup(ctx, inputs, output) -> None:
 def _bags_backward(ctx, g):
     saved, n = ctx.saved_tensors, ctx.n
     tables, indices, offsets = saved[:n], saved[n : 2 * n], saved[2 * n :]
+    need = list(ctx.needs_input_grad[0])  # (one flag per table)
     grads = _bags_backward_op(g.contiguous(), list(tables), list(indices), list(offsets),
-                              ctx.group, ctx.mode, ctx.rank_dims)  # fmt: skip
+                              ctx.group, ctx.mode, ctx.rank_dims, need)  # fmt: skip
     nones = [None] * n
+    grads = [d if needed else None for d, needed in zip(grads, need, strict=True)]
     return grads, nones, nones, None, None, None, None, None
 
 

@@ -25,7 +25,15 @@ import torch.distributed as dist
 
 from ..collectives import collective
 from . import exchange
-from ._engine import check_operands, group_of, run_after, run_before, via_op, world
+from ._engine import (
+    check_operands,
+    check_splits,
+    group_of,
+    run_after,
+    run_before,
+    via_op,
+    world,
+)
 
 
 def matmul_collective(
@@ -87,7 +95,7 @@ def matmul_collective(
                          "overlap.all_gather_matmul")  # fmt: skip
     split = input_split_sizes is not None or output_split_sizes is not None
     if split:
-        splits = exchange.check_splits(x, collective, input_split_sizes, output_split_sizes,
+        splits = check_splits(x, collective, input_split_sizes, output_split_sizes,
                                        group)  # fmt: skip
     gname = via_op(x, w, out, group)
     if gname is not None:
@@ -169,7 +177,7 @@ def _matmul_collective_op(
     ``sends``, ``receives``: the all-to-all's split sizes (left out for equal splits)."""
     pg = group_of(group)
     if sends is not None:
-        splits = exchange.check_splits(x, collective, sends, receives, pg)
+        splits = check_splits(x, collective, sends, receives, pg)
         return exchange.split_forward(x, w, pg, None, backend, chunks, *splits)
     return run_after(x, w, collective, pg, op, None, backend, chunks, collective)
 

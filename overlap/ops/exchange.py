@@ -7,7 +7,7 @@ chunk-major slot layout of ``plan.band_rows`` (chunk ``c``: band ``c`` of every 
 event after each; a transport that declares ``uneven`` (``comm.select_uneven``: NCCL per
 chunk) sends each chunk once its event has passed (``Transport.run_splits``). The dispatch is
 the mirror: the exchange first, each received band multiplied once its event has passed.
-Plans: ``plan.SplitPlan`` (``split_plan``).
+Plans: ``plan.SplitPlan`` (``_engine.split_plan``).
 """
 
 from __future__ import annotations
@@ -22,52 +22,19 @@ import torch.distributed as dist
 from .. import comm, guard, stats
 from ..collectives import collective
 from ..context import context
-from ..plan import SplitPlan, band_rows, make_split_plan
+from ..plan import band_rows
 from ._engine import (
     capturing,
     check_chunks,
     check_operands,
     check_out,
+    check_splits,
     group_of,
     needs_grad,
+    split_plan,
     via_op,
     world,
 )
-
-
-def split_plan(
-    sends: tuple[int, ...], receives: tuple[int, ...], N: int, K: int, chunks, backend: str
-) -> SplitPlan:
-    """The plan an uneven exchange runs: ``sends[j]`` rows of ``[M, K] @ [K, N]`` to rank
-    ``j``, ``receives[s]`` from rank ``s``, through ``comm.select_uneven(backend)``."""
-    cls = comm.select_uneven(backend)
-    return make_split_plan(sends, receives, N, K, chunks=chunks, transport=cls.name)
-
-
-def check_splits(x, name, sends, receives, group) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The checked ``(input_split_sizes, output_split_sizes)`` as tuples."""
-    if name != "all_to_all":
-        raise ValueError(f"input_split_sizes / output_split_sizes are for all_to_all, not {name}")
-    if sends is None or receives is None:
-        raise ValueError("input_split_sizes and output_split_sizes go together (None for both: "
-                         "equal splits)")  # fmt: skip
-    R, M = world(group), math.prod(x.shape[:-1])
-    for what, s in (("input_split_sizes", sends), ("output_split_sizes", receives)):
-        if not isinstance(s, (list, tuple)) or not all(
-            isinstance(v, int) and not isinstance(v, bool) for v in s
-        ):  # fmt: skip
-            raise TypeError(f"{what} must be a list of ints (one per rank), got {s!r}")
-        if len(s) != R or min(s, default=0) < 0:
-            raise ValueError(f"{what} must be {R} non-negative ints (one per rank), got {s!r}")
-    if sum(sends) != M:
-        raise ValueError(f"input_split_sizes add up to {sum(sends)}, not to x's {M} rows")
-    rank = dist.get_rank(group) if R > 1 else 0
-    if sends[rank] != receives[rank]:  # (the rows this rank sends itself)
-        raise ValueError(
-            f"input_split_sizes[{rank}] ({sends[rank]}) and output_split_sizes[{rank}] "
-            f"({receives[rank]}) differ: they are the rows this rank (rank {rank}) sends itself"
-        )
-    return tuple(sends), tuple(receives)
 
 
 def split_forward(
@@ -149,19 +116,18 @@ class _SplitCall:
     (``ctx`` is None at world size 1)."""
 
     def __init__(self, x, group, backend, chunks, sends, receives, N, K, label: str) -> None:
-        cls = comm.select_uneven(backend)
-        self.plan = make_split_plan(sends, receives, N, K, chunks=chunks, transport=cls.name)
+        self.plan = split_plan(sends, receives, N, K, chunks, backend)
         self.ctx = self.stream = self.caller = self.events = None
         if self.plan.world_size == 1:
             stats.count(label, "plain: world size 1: nothing to communicate")
             return
-        stats.count(label, f"overlap via {cls.name}")
+        stats.count(label, f"overlap via {self.plan.transport}")
         self.ctx = context(group, x.device)
         self.validating = guard.validating()
         if self.validating:
             p = self.plan
             guard.agree(group, guard.fingerprint(p, x.dtype, "sum"), p.describe(), p.splits)
-        self.transport = self.ctx.transport(cls)
+        self.transport = self.ctx.transport(comm.select_uneven(backend))
         self.stream = self.ctx.comm_stream
         if self.stream is not None:
             self.caller = torch.cuda.current_stream(x.device)

@@ -182,7 +182,8 @@ def wait_counter(
         counters: the call's int32 chunk counters (zeroed before its kernel).
         c: the chunk.
         target: the chunk's tile count.
-        stream: the CUDA stream that waits; ``None`` for CPU counters.
+        stream: the CUDA stream that waits; ``None`` on CPU (the kernel has finished: the
+            counter is read on the host).
         ops: the stream's ``StreamOps`` where the caller batches its stream memory
             operations (the copy-engine transports): the wait joins them.
 
@@ -192,7 +193,7 @@ def wait_counter(
     if ops is not None:
         ops.wait(counters.data_ptr() + 4 * c, target)
         return
-    if not counters.is_cuda:
+    if stream is None:
         value = int(counters[c])
         if value < target:
             raise RuntimeError(

@@ -24,22 +24,22 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 Bench = Callable[[argparse.Namespace, torch.device, bool], None]  # (args, device, timing?)
 
 
-def add_options(ap: argparse.ArgumentParser, sizes: dict, json_default: str) -> None:
+def add_options(ap: argparse.ArgumentParser, sizes: dict, out_default: str) -> None:
     """The size options (``sizes``' keys; None: the tool's defaults) and the common ones."""
     for name in sizes:
         ap.add_argument(f"--{name.replace('_', '-')}", type=int, default=None)
     ap.add_argument("--dtype", choices=tuple(DTYPES), default=None)
     ap.add_argument("--iters", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=None)
-    ap.add_argument("--json", default=json_default)
+    ap.add_argument("--out", default=out_default, help="JSON file (default: %(default)s)")
     ap.add_argument("--cpu", action="store_true", help="2 CPU ranks even with GPUs")
     ap.add_argument("--one-gpu", action="store_true", help="2 ranks on GPU 0 over gloo")
 
 
 def fill_defaults(args: argparse.Namespace, small: dict, large: dict) -> bool:
     """Fills the options left None (small sizes, fp32 and few iterations on CPU); returns
-    whether the run is on CPU ranks."""
-    cpu = args.cpu or not torch.cuda.is_available()
+    whether the run is on CPU ranks (``--cpu``, or no GPU and no ``--one-gpu``)."""
+    cpu = args.cpu or not (args.one_gpu or torch.cuda.is_available())
     for k, v in (small if cpu else large).items():
         setattr(args, k, v if getattr(args, k) is None else getattr(args, k))
     for k, v in dict(dtype=("bf16", "fp32"), iters=(20, 2), warmup=(5, 1)).items():
@@ -49,16 +49,19 @@ def fill_defaults(args: argparse.Namespace, small: dict, large: dict) -> bool:
 
 def launch(args: argparse.Namespace, cpu: bool, bench: Bench, tool: str) -> None:
     """Runs ``bench``: on 2 spawned CPU ranks, or as this torchrun worker (NCCL, or gloo on
-    GPU 0 with ``--one-gpu``); exits with a hint when GPUs exist and torchrun was not used."""
+    GPU 0 with ``--one-gpu``); exits with how to launch it when torchrun or the GPUs are
+    missing."""
     if cpu:
         os.environ["TRITON_INTERPRET"] = "1"  # before overlap defines a kernel (spawn inherits)
         with tempfile.TemporaryDirectory() as d:
             mp.spawn(_cpu_rank, args=(2, os.path.join(d, "init"), args, bench), nprocs=2)
         return
-    if "RANK" not in os.environ:
-        sys.exit(f"run under torchrun: torchrun --nproc-per-node=N tools/{tool} (N GPUs), or on "
-                 f"one GPU: NCCL_P2P_DISABLE=1 torchrun --nproc-per-node=2 tools/{tool} --one-gpu "
-                 "(correctness only); --cpu: 2 CPU ranks")  # fmt: skip
+    from overlap.bench import need_gpus  # lazily: overlap reads TRITON_INTERPRET
+
+    how = (f"torchrun --nproc-per-node=N tools/{tool} (N GPUs), or on one GPU: "
+           f"NCCL_P2P_DISABLE=1 torchrun --nproc-per-node=2 tools/{tool} --one-gpu "
+           "(correctness only); --cpu: 2 CPU ranks")  # fmt: skip
+    need_gpus(f"tools/{tool}", how)
     local = 0 if args.one_gpu else int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local)
     dev = torch.device("cuda", local)
@@ -121,11 +124,11 @@ def write_json(args, dev, R: int, timing_meaningful: bool, rows, errors, tol: fl
         print("timings mean nothing here (CPU, or two ranks sharing one GPU): correctness only")
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     date = datetime.datetime.now().isoformat(timespec="seconds")
-    out = dict(config={k: v for k, v in vars(args).items() if k != "json"}, world_size=R,
+    out = dict(config={k: v for k, v in vars(args).items() if k != "out"}, world_size=R,
                backend=dist.get_backend(), device=name, torch=torch.__version__,
                triton=triton.__version__, date=date, timing_meaningful=timing_meaningful,
                tolerance=tol, errors=errors, rows=rows)  # fmt: skip
-    path = pathlib.Path(args.json)
+    path = pathlib.Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {path}")

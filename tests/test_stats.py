@@ -1,0 +1,61 @@
+"""``overlap.stats()``: every call of a public op counted by the path it took, and the one-time
+notice (Python's ``logging``) when a cause the user can change kept calls off the overlapped
+path. In one process: world size 1, and a fake world of 2 ranks (torch's "fake" backend: its
+collectives do nothing), where CPU tensors without the interpreter take the plain path."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+import torch.distributed as dist
+
+import overlap
+
+
+@contextlib.contextmanager
+def _fake_world():
+    from torch.testing._internal.distributed import fake_pg  # noqa: F401 (registers "fake")
+
+    dist.init_process_group("fake", store=dist.HashStore(), rank=0, world_size=2)
+    try:
+        yield
+    finally:
+        overlap.release()
+        dist.destroy_process_group()
+
+
+def test_counts_by_op_and_path_and_reset():
+    overlap.stats(reset=True)
+    x, w = torch.randn(8, 4), torch.randn(4, 6)
+    for _ in range(3):
+        overlap.matmul_allreduce(x, w)
+    overlap.all_gather_matmul(x, w)
+    got = overlap.stats(reset=True)
+    assert got == {
+        "all_reduce": {"plain: world size 1: nothing to communicate": 3},
+        "all_gather_matmul": {"plain: world size 1: nothing to communicate": 1},
+    }, got
+    assert "all_reduce" in str(got) and "3" in str(got)
+    assert overlap.stats() == {}
+
+
+def test_plain_path_for_a_changeable_reason_is_logged_once(monkeypatch, caplog):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    overlap.stats(reset=True)
+    x, w = torch.randn(8, 4), torch.randn(4, 6)
+    with _fake_world(), caplog.at_level(logging.WARNING, logger="overlap"):
+        for _ in range(2):
+            overlap.matmul_reduce_scatter(x, w)
+    how = "plain: CPU tensors and TRITON_INTERPRET is not 1"
+    assert overlap.stats(reset=True) == {"reduce_scatter": {how: 2}}
+    notices = [r.getMessage() for r in caplog.records if r.name == "overlap"]
+    assert len(notices) == 1 and "TRITON_INTERPRET" in notices[0], notices
+
+
+def test_expected_plain_path_is_not_logged(caplog):
+    x, w = torch.randn(8, 4), torch.randn(4, 6)
+    with caplog.at_level(logging.WARNING, logger="overlap"):
+        overlap.matmul_allreduce(x, w)  # world size 1: nothing to say
+    assert not [r for r in caplog.records if r.name == "overlap"]

@@ -1,0 +1,120 @@
+"""No devices: the command-line edges of ``tools/`` and ``python -m overlap.bench``. Every tool
+(each file of ``tools/`` not starting with ``_``, found anew at every run) answers ``--help``
+with a usage line and no default output under the tracked ``bench_results/``; the GPU-only ones,
+on a machine without a GPU, exit non-zero with one line that says how to launch them, not a
+traceback."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+TOOLS = sorted(p for p in (ROOT / "tools").iterdir() if p.suffix in (".py", ".sh")
+               and not p.name.startswith("_"))  # fmt: skip
+NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="tests the message without GPUs")
+
+
+def _run(args: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
+    """``args`` run from the repository root, importing this checkout's ``overlap``."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    return subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)  # fmt: skip
+
+
+def _command(tool: pathlib.Path) -> list[str]:
+    return ["bash", str(tool)] if tool.suffix == ".sh" else [sys.executable, str(tool)]
+
+
+def test_tools_found():
+    names = {p.name for p in TOOLS}
+    assert {"soak.py", "timeline.py", "model_bench.py", "gpu_run.sh"} <= names, names
+
+
+@pytest.mark.parametrize(
+    "command",
+    [_command(t) for t in TOOLS] + [[sys.executable, "-m", "overlap.bench"]],
+    ids=[t.name for t in TOOLS] + ["overlap.bench"],
+)
+def test_help(command):
+    done = _run([*command, "--help"])
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.lower().splitlines()
+    assert any(line.startswith("usage:") for line in lines), done.stdout
+    assert "bench_results" not in done.stdout, "a default output in the tracked bench_results/"
+
+
+GPU_ONLY = [  # (command, a part of the launch hint it must print)
+    (["-m", "overlap.bench"], "torchrun --nproc-per-node=N -m overlap.bench"),
+    (["tools/timeline.py"], "--plot"),
+    (["tools/soak.py"], "tools/soak.py --one-gpu"),
+    (["tools/soak.py", "--one-gpu"], "tools/soak.py --one-gpu"),
+    (["tools/host_profile.py"], "tools/host_profile.py --one-gpu"),
+    (["tools/model_bench.py", "--one-gpu"], "--cpu"),
+    (["tools/exchange_bench.py", "--one-gpu"], "--cpu"),
+    (["bash", "tools/gpu_run.sh", "suite"], "gpu_run.sh"),
+    (["tools/gemm_sweep.py", "out.json"], "tools/gemm_sweep.py OUT.json"),
+]
+
+
+@NO_GPU
+@pytest.mark.parametrize("command, hint", GPU_ONLY, ids=[" ".join(c) for c, _ in GPU_ONLY])
+def test_gpu_only_says_so(command, hint):
+    done = _run(command if command[0] == "bash" else [sys.executable, *command])
+    err = done.stderr.strip()
+    assert done.returncode != 0, done.stdout[-1000:]
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err[-2000:]
+    assert "needs CUDA GPUs" in err and hint in err, err
+
+
+def test_need_gpus_under_torchrun(monkeypatch):
+    """With GPUs, ``need_gpus`` passes only in a torchrun worker."""
+    from overlap.bench import need_gpus
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(SystemExit, match="tool runs as torchrun workers: torchrun x"):
+        need_gpus("tool", "torchrun x")
+    monkeypatch.setenv("RANK", "0")
+    need_gpus("tool", "torchrun x")
+
+
+def _bench_json(path: pathlib.Path) -> pathlib.Path:
+    """A two-row ``overlap.bench`` JSON (the fields the table and the plot read)."""
+    row = dict(shape="4096x8192x4096", collective="all_reduce", chunks=4, gemm_cublas=0.36,
+               gemm_overlap_kernel=0.38, comm=0.27, sequential=0.61, overlap=0.56, speedup=1.09,
+               eta=0.21, async_tp=None, host_ms_per_call=0.5, peak_mb_sequential=64.0,
+               peak_mb_overlap=0.0)  # fmt: skip
+    meta = dict(mode="no_p2p", device="H200", world_size=2, date="2026-11-25")
+    path.write_text(json.dumps(dict(meta=meta, rows=[row, dict(row, collective="all_to_all")])))
+    return path
+
+
+def test_bench_table(tmp_path):
+    done = _run([sys.executable, "tools/bench_table.py", str(_bench_json(tmp_path / "b.json"))])
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = done.stdout.splitlines()[2:]
+    assert [r.split(" | ")[2] for r in rows] == ["all_reduce", "all_to_all"], done.stdout
+    assert all(r.startswith("| no P2P | 4096x8192x4096 |") for r in rows), done.stdout
+
+
+def test_bench_plot(tmp_path):
+    """Draws the chart where matplotlib is installed; says it is missing where it is not."""
+    png = tmp_path / "sub" / "b.png"
+    done = _run([sys.executable, "tools/bench_plot.py", str(png),
+                 str(_bench_json(tmp_path / "b.json"))])  # fmt: skip
+    try:
+        import matplotlib  # noqa: F401
+    except ModuleNotFoundError:
+        assert done.returncode != 0 and done.stderr.strip() == (
+            "tools/bench_plot.py needs matplotlib: pip install matplotlib"
+        ), done.stderr[-2000:]
+    else:
+        assert done.returncode == 0 and png.stat().st_size > 0, done.stderr[-2000:]
