@@ -149,6 +149,19 @@ def context(group: dist.ProcessGroup | None, device: torch.device) -> Context:
     return ctx
 
 
+def check_group(group) -> None:
+    """Raises TypeError naming ``group`` unless it is a process group or None, and
+    ValueError for what ``dist.new_group`` returns to a process outside the group."""
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(
+            "group: this process is not a member of it (dist.new_group returned "
+            "GroupMember.NON_GROUP_MEMBER here); call on the group's ranks only"
+        )
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group must be a torch.distributed.ProcessGroup or None, got "
+                        f"{type(group).__name__}")  # fmt: skip
+
+
 def release(group: dist.ProcessGroup | None = None) -> None:
     """Free everything the library keeps for ``group``, the object the calls passed
     (``None`` for calls that passed none): the buffers of its transports,
@@ -157,7 +170,12 @@ def release(group: dist.ProcessGroup | None = None) -> None:
     Every rank of the group calls it at the same point of the program, with no call of the
     group in flight; the next call of the group starts afresh. Communicators are dropped,
     not aborted or destroyed: torch's own process group stays usable.
+
+    Raises:
+        TypeError, ValueError: ``group`` is not a process group (or None), or this process
+            is not a member of it (``check_group``).
     """
+    check_group(group)
     mine = [k for k in _contexts if k[0] is group]
     for device in {k[1] for k in mine if k[1].startswith("cuda")}:
         torch.cuda.synchronize(device)

@@ -45,7 +45,7 @@ import torch.distributed as dist
 from .. import comm, guard, stats
 from ..collectives import OPS, Collective, collective
 from ..comm import BACKENDS, TorchTransport, Transport
-from ..context import Context, context, plans, shapes, tuned, tuned_key
+from ..context import Context, check_group, context, plans, shapes, tuned, tuned_key
 from ..plan import (
     MAX_CHUNKS,
     GatherPlan,
@@ -68,19 +68,6 @@ def world(group: dist.ProcessGroup | None) -> int:
     if group is None and not (dist.is_available() and dist.is_initialized()):
         return 1
     return dist.get_world_size(group)
-
-
-def check_group(group) -> None:
-    """Raises TypeError naming ``group`` unless it is a process group or None, and
-    ValueError for what ``dist.new_group`` returns to a process outside the group."""
-    if group is dist.GroupMember.NON_GROUP_MEMBER:
-        raise ValueError(
-            "group: this process is not a member of it (dist.new_group returned "
-            "GroupMember.NON_GROUP_MEMBER here); call on the group's ranks only"
-        )
-    if group is not None and not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"group must be a torch.distributed.ProcessGroup or None, got "
-                        f"{type(group).__name__}")  # fmt: skip
 
 
 def check_backend(backend) -> None:
@@ -226,7 +213,11 @@ def _decide(x, w, name, group, chunks, backend, capturing: bool):
     ctx = context(group, x.device)
     road = comm.road(group, x.device, capturing) if x.is_cuda else None  # a collective, once
     why = None
-    if not x.is_cuda and not spec.before:  # (the all-gather runs no kernel)
+    if K == 0:  # (the kernel needs K > 0)
+        why = "K = 0: nothing to overlap (the product is zeros, as torch.matmul's)"
+    elif x.is_meta:
+        why = "meta tensors: shapes only (torch's collectives do nothing on them)"
+    elif not x.is_cuda and not spec.before:  # (the all-gather runs no kernel)
         if os.environ.get("TRITON_INTERPRET", "0") != "1":
             why = "CPU tensors and TRITON_INTERPRET is not 1"
         elif x.dtype == torch.bfloat16:
@@ -308,10 +299,20 @@ def check_splits(x, name, sends, receives, group) -> tuple[tuple[int, ...], tupl
                          "equal splits)")  # fmt: skip
     R, M = world(group), math.prod(x.shape[:-1])
     for what, s in (("input_split_sizes", sends), ("output_split_sizes", receives)):
-        if len(s) != R or not all(isinstance(v, int) and v >= 0 for v in s):
+        if not isinstance(s, (list, tuple)) or not all(
+            isinstance(v, int) and not isinstance(v, bool) for v in s
+        ):  # fmt: skip
+            raise TypeError(f"{what} must be a list of ints (one per rank), got {s!r}")
+        if len(s) != R or min(s, default=0) < 0:
             raise ValueError(f"{what} must be {R} non-negative ints (one per rank), got {s!r}")
     if sum(sends) != M:
         raise ValueError(f"input_split_sizes add up to {sum(sends)}, not to x's {M} rows")
+    rank = dist.get_rank(group) if R > 1 else 0
+    if sends[rank] != receives[rank]:  # (the rows this rank sends itself)
+        raise ValueError(
+            f"input_split_sizes[{rank}] ({sends[rank]}) and output_split_sizes[{rank}] "
+            f"({receives[rank]}) differ: they are the rows this rank (rank {rank}) sends itself"
+        )
     return tuple(sends), tuple(receives)
 
 
@@ -368,7 +369,7 @@ def run_after(x, w, name, group, op, out, backend, chunks, label: str) -> torch.
     else:
         check_out(out, shape, x, w)
     x2 = x if x.dim() == 2 else x.reshape(M, p.K)
-    out2 = out if out.dim() == 2 else out.view(-1, N)
+    out2 = out if out.dim() == 2 else out.view(M, N)  # (-1: ambiguous when N = 0)
     scale = 1.0 / R if op == "avg" and R > 1 else None
     validating = ctx is not None and guard.validating()
     if validating:
@@ -503,7 +504,7 @@ def run_before(x, w, group, out, backend, chunks, keep: bool):
             full = x.new_empty(M, K)
             p.spec.plain(x2.contiguous(), full, group)
         torch.matmul(full, w, out=out)
-        full = full if keep else x.new_empty(0)
+        full = (full if R > 1 else full.clone()) if keep else x.new_empty(0)  # (R = 1: x)
     else:
         full = x.new_empty((M, K) if keep else (0,))  # (outside a recorded graph's pool)
         call = functools.partial(_gathered, x2, w, out, full, p, ctx, cls)

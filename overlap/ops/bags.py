@@ -53,8 +53,10 @@ def embedding_bag_all_to_all(
         ``embedding_bag``'s own backward); a custom op under ``torch.compile``.
 
     Raises:
-        TypeError, ValueError: naming the argument (types, shapes, modes, ``B`` not
-            divisible by ``R``, ``rank_dims`` that disagree with the tables).
+        TypeError, ValueError: naming the argument (types, shapes, modes, devices, ``B``
+            not divisible by ``R``, ``rank_dims`` that disagree with the tables, and what
+            ``embedding_bag`` rejects: ``offsets[0] != 0``, decreasing offsets,
+            ``offsets[-1] > len(indices)``, indices outside the table).
     """
     check_group(group)
     check_chunks(chunks)
@@ -70,7 +72,11 @@ def embedding_bag_all_to_all(
                 guard.agree(group, fp, "embedding_bag_all_to_all: every rank's width")
             rank_dims = [None] * R
             dist.all_gather_object(rank_dims, D, group=group)
-    if len(rank_dims) != R or rank_dims[rank] != D:
+    if not isinstance(rank_dims, (list, tuple)) or not all(
+        isinstance(d, int) and not isinstance(d, bool) for d in rank_dims
+    ):  # fmt: skip
+        raise TypeError(f"rank_dims must be a list of ints (one per rank), got {rank_dims!r}")
+    if len(rank_dims) != R or rank_dims[rank] != D or min(rank_dims) < 0:
         raise ValueError(f"rank_dims must hold every rank's sum of table widths ({R} ints, "
                          f"this rank's {D}), got {rank_dims!r}")  # fmt: skip
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in tables)
@@ -95,14 +101,21 @@ def _check_bags(tables, indices, offsets, mode, backend, group, R) -> int:
         raise ValueError(f"mode must be one of {_BAG_MODES}, got {mode!r}")
     check_backend(backend)
     t0 = tables[0]
+    if isinstance(t0, torch.Tensor) and t0.is_meta:
+        raise ValueError("tables are on meta: offsets and indices are read on the host")
     for t, i, o in zip(tables, indices, offsets, strict=True):
         if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.dtype not in DTYPES:
             raise TypeError(f"tables must be 2-D float tensors, got {getattr(t, 'shape', t)}")
         if t.dtype != t0.dtype or t.device != t0.device:
             raise ValueError("tables must share one dtype and device")
         for name, v in (("indices", i), ("offsets", o)):
-            if not isinstance(v, torch.Tensor) or v.dim() != 1 or v.is_floating_point():
+            if not isinstance(v, torch.Tensor) or v.dim() != 1 or v.is_floating_point() or (
+                v.is_complex() or v.dtype == torch.bool
+            ):  # fmt: skip
                 raise ValueError(f"{name} must hold 1-D integer tensors")
+            if v.device != t0.device:
+                raise ValueError(f"{name} must be on the tables' device ({t0.device}), got "
+                                 f"{v.device}")  # fmt: skip
     B = offsets[0].numel()
     if any(o.numel() != B for o in offsets):
         raise ValueError("offsets must have the same number of bags (B) for every table")
@@ -122,8 +135,8 @@ def _bags_forward(tables, indices, offsets, group, mode, rank_dims, backend, chu
     bands = [(c * b // n, (c + 1) * b // n) for c in range(n)]
     # the first index of every band's bags, on the host (one small copy per table)
     edges = sorted({j * b + e for j in range(R) for lo, hi in bands for e in (lo, hi)})
-    at_edge = [dict(zip(edges, torch.cat([o, o.new_tensor([i.numel()])])[edges].tolist(),
-                        strict=True)) for o, i in zip(offsets, indices, strict=True)]  # fmt: skip
+    at_edge = [_read_edges(t, i, o, edges) for t, i, o in zip(tables, indices, offsets,
+                                                                strict=True)]  # fmt: skip
 
     def pool(lo: int, hi: int) -> torch.Tensor:  # bags [lo, hi) of every table: [hi - lo, D]
         parts = []
@@ -161,6 +174,36 @@ def _bags_forward(tables, indices, offsets, group, mode, rank_dims, backend, chu
     finally:
         call.end(t0)
     return out
+
+
+def _read_edges(t, idx, off, edges: list[int]) -> dict[int, int]:
+    """``{e: off[e]}`` for the band edges ``e`` (``off[B]``: ``len(idx)``), read on the host
+    in the one copy the bands need, with what ``embedding_bag`` checks of ``off`` and ``idx``
+    (a band sees only its own offsets, so the bands cannot check them; on CUDA an index out
+    of range is a device-side assert). The checks add a few reductions over ``off`` and
+    ``idx`` on the device, no synchronization."""
+    L, B = idx.numel(), off.numel()
+    ends = torch.cat([off.long(), off.new_tensor([L], dtype=torch.long)])
+    facts = [ends[edges]]
+    if B:  # offsets[0], the count of decreasing steps, offsets[-1]
+        facts.append(torch.stack([ends[0], (off[1:] < off[:-1]).sum(), ends[B - 1]]))
+    if L:
+        facts.append(torch.stack([idx.min(), idx.max()]).long())
+    got = torch.cat(facts).tolist()
+    at, got = dict(zip(edges, got, strict=False)), got[len(edges) :]
+    if B:
+        first, falls, last = got[:3]
+        got = got[3:]
+        if first != 0:
+            raise ValueError(f"offsets[0] must be 0 (embedding_bag's), got {first}")
+        if falls:
+            raise ValueError(f"offsets must be non-decreasing ({falls} decreasing steps)")
+        if last > L:
+            raise ValueError(f"offsets[-1] ({last}) must not exceed len(indices) ({L})")
+    if L and not (0 <= got[0] and got[1] < t.shape[0]):
+        raise ValueError(f"indices must lie in [0, {t.shape[0]}) (the table's rows), got "
+                         f"values in [{got[0]}, {got[1]}]")  # fmt: skip
+    return at
 
 
 @torch.library.custom_op("overlap::embedding_bag_all_to_all", mutates_args=())

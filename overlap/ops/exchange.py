@@ -48,7 +48,7 @@ def split_forward(
     uses its expert's matrix (the MoE combine)."""
     M, K, N = math.prod(x.shape[:-1]), x.shape[-1], w.shape[-1]
     x2 = x.reshape(M, K)
-    out = _split_out(out, (sum(receives), N), x)
+    out = _split_out(out, (sum(receives), N), x, w)
     call = _SplitCall(x, group, backend, chunks, sends, receives, N, K, label)
     if call.ctx is None:
         _product(x2, w, out, slice(0, M), slice(0, M), runs)
@@ -78,12 +78,12 @@ def dispatch_forward(x, w, group, out, backend, chunks, sends, receives, runs, k
     M, K, N = math.prod(x.shape[:-1]), x.shape[-1], w.shape[-1]
     x2 = x.reshape(M, K)
     rows = sum(receives)
-    out = _split_out(out, (rows, N), x)
+    out = _split_out(out, (rows, N), x, w)
     call = _SplitCall(x, group, backend, chunks, sends, receives, N, K,
                       "all_to_all_grouped_matmul")  # fmt: skip
     if call.ctx is None:
         _product(x2, w, out, slice(0, M), slice(0, M), runs)
-        return out, (x2 if keep else x.new_empty(0))
+        return out, (x2.clone() if keep else x.new_empty(0))  # (x2 may be x: the op's input)
     p, s, n = call.plan, call.stream, call.plan.n_chunks
     t = call.transport
     recv = x.new_empty(rows, K)
@@ -103,10 +103,10 @@ def dispatch_forward(x, w, group, out, backend, chunks, sends, receives, runs, k
     return out, full
 
 
-def _split_out(out, shape, x) -> torch.Tensor:
+def _split_out(out, shape, x, w) -> torch.Tensor:
     if out is None:
         return x.new_empty(shape)
-    check_out(out, shape, x)
+    check_out(out, shape, x, w)
     return out
 
 
@@ -239,7 +239,9 @@ def grouped_matmul_all_to_all(
 
     Raises:
         TypeError, ValueError: wrong types, dtypes, devices or shapes (naming the argument),
-            splits that do not fit (``matmul_collective``), expert ids out of range.
+            splits that do not fit (``matmul_collective``; the rows a rank sends itself,
+            ``input_split_sizes[rank]``, equal those it receives from itself,
+            ``output_split_sizes[rank]``), expert ids out of range.
     """
     check_chunks(chunks)
     sends, receives = _check_grouped(x, w, expert_ids, input_split_sizes, output_split_sizes,
@@ -318,19 +320,24 @@ _grouped_op.register_autograd(_grouped_backward, setup_context=_grouped_setup)
 def _check_grouped(x, w, expert_ids, sends, receives, backend, group, received: bool):
     """The checks of the two MoE ops; ``expert_ids`` has one id per row of ``x``, or with
     ``received`` per received row. Returns the splits as tuples."""
-    if not isinstance(w, torch.Tensor) or w.dim() != 3 or w.shape[0] < 1:
+    if not isinstance(w, torch.Tensor):
+        raise TypeError(f"w must be a torch.Tensor [E, K, N], got {type(w).__name__}")
+    if w.dim() != 3 or w.shape[0] < 1:
         raise ValueError(f"w must be [E, K, N] with E >= 1, got {getattr(w, 'shape', w)}")
     check_operands(x, w[0], "all_to_all", "sum", backend, group)
     splits = check_splits(x, "all_to_all", sends, receives, group)
     rows = sum(splits[1]) if received else math.prod(x.shape[:-1])
     what = "received row" if received else "row of x"
-    if not isinstance(expert_ids, torch.Tensor) or expert_ids.is_floating_point() or (
-        expert_ids.numel() != rows
+    ids = expert_ids
+    if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.is_complex() or (
+        ids.dtype == torch.bool or ids.numel() != rows
     ):  # fmt: skip
-        got = getattr(expert_ids, "shape", expert_ids)
+        got = f"{ids.dtype} {tuple(ids.shape)}" if isinstance(ids, torch.Tensor) else repr(ids)
         raise ValueError(
             f"expert_ids must be an integer tensor with one id per {what} ({rows}), got {got}"
         )
+    if ids.is_meta:
+        raise ValueError("expert_ids is on meta: its values are read on the host")
     return splits
 
 
