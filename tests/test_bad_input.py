@@ -400,16 +400,11 @@ def test_two_ranks():
 
 @pytest.mark.parametrize(
     "op, K, N",
-    [(op, 16, 12) for op in ("matmul_allreduce", "all_gather_matmul", SPLIT_OPS[1])]
-    + [pytest.param(SPLIT_OPS[2], 16, 12, marks=pytest.mark.xfail(strict=True, reason=(
-        "the dispatch's backward exchanges at world size 1 (exchange._all_to_all_back: "
-        "'Default process group has not been initialized')")))]
+    [(op, 16, 12) for op in ("matmul_allreduce", "all_gather_matmul", *SPLIT_OPS[1:3])]
     + [
-        pytest.param(op, K, N, marks=pytest.mark.xfail(strict=True, reason=why))
+        (op, K, N)
         for op in ("matmul_allreduce", "all_gather_matmul", "grouped_matmul_all_to_all")
         for K, N in ((0, 12), (16, 0))
-        for why in ["the backward's reshape(-1, K or N) is ambiguous for 0 elements "
-                    "(dense._backward_op, exchange._grouped_backward_op)"]
     ],
 )  # fmt: skip
 def test_gradients_like_torch_at_world_size_one(op, K, N):

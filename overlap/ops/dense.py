@@ -20,6 +20,8 @@ input gradient (tensor parallelism's mirror pairs, ``Collective.dual``).
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -212,8 +214,9 @@ def _backward_op(
     pg = group_of(group)
     R = world(pg)
     spec = collective(collective_name)
-    g2 = g.reshape(-1, w.shape[1]).contiguous()
-    x2 = x.reshape(-1, x.shape[-1])
+    # (math.prod, not -1: K or N may be 0)
+    g2 = g.reshape(math.prod(g.shape[:-1]), w.shape[1]).contiguous()
+    x2 = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
     if op == "avg" and R > 1:
         g2 = g2 / R
     dx = x.new_empty(0)

@@ -282,10 +282,10 @@ def _grouped_backward_op(
     gradient sent back (the inverse all-to-all), then per run of an expert's rows. Empty
     ``sends``: no exchange (``x`` are the dispatch's received rows, ``g`` theirs)."""
     pg = group_of(group)
-    g2 = g.reshape(-1, w.shape[-1]).contiguous()
+    g2 = g.reshape(math.prod(g.shape[:-1]), w.shape[-1]).contiguous()  # (K or N may be 0)
     exchange = sends and world(pg) > 1  # (empty splits: the dispatch's rows, no exchange)
     gp = collective("all_to_all").backward(g2, pg, (sends, receives)) if exchange else g2
-    x2 = x.reshape(-1, x.shape[-1])
+    x2 = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
     dx = torch.empty_like(x2) if need_dx else x.new_empty(0)
     dw = torch.zeros_like(w) if need_dw else w.new_empty(0)
     for a, b, e in ExpertRuns(expert_ids, w.shape[0]).runs:
@@ -436,7 +436,10 @@ def _all_to_all_back(
 ) -> torch.Tensor:
     """The gradient of the uneven exchange: ``g`` (received rows) sent back to their
     senders, ``[sum(sends), K]``."""
-    return collective("all_to_all").backward(g.contiguous(), group_of(group), (sends, receives))
+    pg = group_of(group)
+    if world(pg) == 1:  # (no process group to exchange with)
+        return g.clone()
+    return collective("all_to_all").backward(g.contiguous(), pg, (sends, receives))
 
 
 @_all_to_all_back.register_fake
