@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch import nn
 
-from ..ops._engine import check_group
+from ..context import check_group
 from .layers import (
     ColumnParallelLinear,
     RowParallelLinear,

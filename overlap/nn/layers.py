@@ -53,8 +53,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..context import check_group
 from ..ops import all_gather_matmul, matmul_collective
-from ..ops._engine import check_group
 
 
 def _rank_size(group: dist.ProcessGroup | None) -> tuple[int, int]:

@@ -11,8 +11,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .. import guard
+from ..context import check_group
 from ..plan import DEFAULT_SPLIT_CHUNKS
-from ._engine import DTYPES, check_backend, check_chunks, check_group, group_of, world
+from ._checks import DTYPES, check_backend, check_chunks, group_of, world
 from .exchange import _SplitCall
 
 _BAG_MODES = ("sum", "mean", "max")

@@ -27,15 +27,8 @@ import torch.distributed as dist
 
 from ..collectives import collective
 from . import exchange
-from ._engine import (
-    check_operands,
-    check_splits,
-    group_of,
-    run_after,
-    run_before,
-    via_op,
-    world,
-)
+from ._checks import check_operands, check_splits, group_of, via_op, world
+from ._engine import run_after, run_before
 
 
 def matmul_collective(

@@ -23,7 +23,7 @@ from .. import comm, guard, stats
 from ..collectives import collective
 from ..context import context
 from ..plan import band_rows
-from ._engine import (
+from ._checks import (
     capturing,
     check_chunks,
     check_operands,
@@ -31,10 +31,10 @@ from ._engine import (
     check_splits,
     group_of,
     needs_grad,
-    split_plan,
     via_op,
     world,
 )
+from ._engine import how, split_plan
 
 
 def split_forward(
@@ -120,10 +120,9 @@ class _SplitCall:
                  agreed: dict | None = None) -> None:  # fmt: skip
         self.plan = split_plan(sends, receives, N, K, chunks, backend)
         self.ctx = self.stream = self.caller = self.events = None
-        if self.plan.world_size == 1:
-            stats.count(label, "plain: world size 1: nothing to communicate")
+        stats.count(label, how(self.plan))
+        if self.plan.path != "overlap":
             return
-        stats.count(label, f"overlap via {self.plan.transport}")
         self.ctx = context(group, x.device)
         self.validating = guard.validating()
         if self.validating:

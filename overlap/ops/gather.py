@@ -9,7 +9,8 @@ import math
 import torch
 import torch.distributed as dist
 
-from ._engine import check_operands, group_of, needs_grad, run_before, via_op, world
+from ._checks import check_operands, group_of, needs_grad, via_op, world
+from ._engine import run_before
 from .dense import _backward_op
 
 

@@ -15,7 +15,8 @@ class SplitPlan:
     """The plan of an uneven exchange (an all-to-all with split sizes: the MoE ops, the
     embedding bags): this rank sends ``splits[0][j]`` rows (consecutive, in rank order) of
     ``[M, K] @ [K, N]`` to rank ``j`` and receives ``splits[1][s]`` from rank ``s``; chunk
-    ``c`` is band ``c`` of every rank's block (``band_rows``). Always overlapped."""
+    ``c`` is band ``c`` of every rank's block (``band_rows``). Always overlapped off world
+    size 1 (the ranks' ``M`` differ, so the path cannot depend on the product's size)."""
 
     collective: str
     M: int  # this rank's rows: the ranks' M differ
@@ -31,6 +32,8 @@ class SplitPlan:
 
     @property
     def reason(self) -> str:
+        if self.path != "overlap":
+            return "world size 1: nothing to communicate"
         return f"uneven splits: {self.n_chunks} chunks, band c of every rank's block in chunk c"
 
     @property
@@ -63,9 +66,10 @@ def make_split_plan(
     ``DEFAULT_SPLIT_CHUNKS``) chunks (``M`` is this rank's)."""
     if chunks is not None and not 2 <= chunks <= MAX_CHUNKS:
         raise ValueError(f"chunks must be in [2, {MAX_CHUNKS}], got {chunks}")
-    return SplitPlan("all_to_all", sum(in_splits), N, K, len(in_splits),
-                     chunks or DEFAULT_SPLIT_CHUNKS, (tuple(in_splits), tuple(out_splits)),
-                     transport)  # fmt: skip
+    R = len(in_splits)
+    return SplitPlan("all_to_all", sum(in_splits), N, K, R, chunks or DEFAULT_SPLIT_CHUNKS,
+                     (tuple(in_splits), tuple(out_splits)), transport,
+                     "overlap" if R > 1 else "fallback")  # fmt: skip
 
 
 @functools.lru_cache(maxsize=256)
