@@ -21,7 +21,7 @@ from collections import Counter
 _log = logging.getLogger("overlap")
 _counts: dict[str, Counter] = {}
 _noticed: set[tuple[str, str]] = set()
-# the starts of plain-path reasons that the user can change (plan.py and ops/_engine.py)
+# the starts of plain-path reasons that the user can change (overlap/plan/ and ops/_engine.py)
 _NOTICED = ("CPU tensors", "small product", "the Triton interpreter")
 
 

@@ -19,7 +19,7 @@ A transport moves the chunks of a plan between the ranks of a group. An overlapp
 An all-gather (a collective *before* the matmul, ``overlap.all_gather_matmul``) asks instead
 ``gather(plan, x, stream, caller)``, which orders ``stream`` after ``caller``, issues every
 chunk and returns the buffer the chunks arrive in, then ``arrived(plan, chunks, caller)``
-before the consumer's matmuls of a band (``Plan.shard_bands``).
+before the consumer's matmuls of a band (``GatherPlan.shard_bands``).
 
 An uneven exchange (the all-to-all with split sizes, the MoE ops, the embedding bags) asks a
 transport that declares ``uneven`` for ``events``, ``order`` and ``run_splits``.
