@@ -380,10 +380,11 @@ _REDUCE_SCATTER = (
 )
 
 
-def count_collectives() -> dict:
-    """Wrap torch.distributed's collectives in this process to count calls."""
+def count_collectives(*extra: str) -> dict:
+    """Wrap torch.distributed's collectives in this process (and the functions named in
+    ``extra``) to count calls."""
     counts: dict = {}
-    for fname in ("all_reduce", _REDUCE_SCATTER, "all_to_all", "all_to_all_single"):
+    for fname in ("all_reduce", _REDUCE_SCATTER, "all_to_all", "all_to_all_single", *extra):
         orig = getattr(dist, fname)
         counts[fname] = 0
 

@@ -22,7 +22,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-from _dist import _ALL_GATHER, _REDUCE_SCATTER, TOL, mismatch, spawn
+from _dist import _ALL_GATHER, TOL, count_collectives, mismatch, spawn
 
 import overlap
 from overlap.comm import TorchTransport
@@ -33,19 +33,8 @@ _HOST = ("all_gather_object", "broadcast_object_list", "barrier")
 
 
 def _count_all() -> dict:
-    """Wrap every collective overlap can issue, host ones included, to count calls."""
-    counts: dict = {}
-    for fname in ("all_reduce", _REDUCE_SCATTER, _ALL_GATHER, "all_to_all", "all_to_all_single",
-                  *_HOST):  # fmt: skip
-        orig = getattr(dist, fname)
-        counts[fname] = 0
-
-        def wrapped(*a, _orig=orig, _name=fname, **k):
-            counts[_name] += 1
-            return _orig(*a, **k)
-
-        setattr(dist, fname, wrapped)
-    return counts
+    """Count every collective overlap can issue, host ones included."""
+    return count_collectives(_ALL_GATHER, *_HOST)
 
 
 def _blocked_on_rank1(rank: int):
