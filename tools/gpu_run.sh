@@ -19,7 +19,9 @@ for mode in "$@"; do
   case $mode in suite | one_gpu | bench | soak | soak1 | timeline | four) ;;
     *) echo "tools/gpu_run.sh: unknown mode $mode (--help lists them)" >&2; exit 2 ;; esac
 done
-python3 -c "import sys, torch; sys.exit(not torch.cuda.is_available())" ||
+# the Python that holds the install (scripts/python: $PYTHON, an active venv, ./.venv, python3)
+PY=$(cd "$(dirname "$0")/.." && pwd)/scripts/python
+"$PY" -c "import sys, torch; sys.exit(not torch.cuda.is_available())" 2>/dev/null ||
   { echo "tools/gpu_run.sh needs CUDA GPUs and this machine has none" >&2; exit 1; }
 OUT=${OUT:-bench_out/gpu}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -27,17 +29,17 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 quiet() { grep -v "^W1\|OMP_NUM_THREADS\|^\*\*\*"; }
 {
   date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
-  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'nccl', torch.cuda.nccl.version())"
-  python3 -c "import cuda.bindings, cupy; print('cuda-bindings', cuda.bindings.__version__, 'cupy', cupy.__version__)"
+  "$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'nccl', torch.cuda.nccl.version())"
+  "$PY" -c "import cuda.bindings, cupy; print('cuda-bindings', cuda.bindings.__version__, 'cupy', cupy.__version__)"
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 big=4096x8192x4096,8192x8192x14336,16384x8192x4096,8192x4096x4096
 run_suite() {  # [pytest -k expression]
   local ids
-  ids=$(python3 -m pytest -m gpu tests/test_gpu.py -q -p no:cacheprovider --collect-only ${1:+-k "$1"} 2>/dev/null | grep "::")
+  ids=$("$PY" -m pytest -m gpu tests/test_gpu.py -q -p no:cacheprovider --collect-only ${1:+-k "$1"} 2>/dev/null | grep "::")
   for id in $ids; do
     local t0=$SECONDS
-    if timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -m gpu "$id" -q -p no:cacheprovider > "$OUT/one_test.log" 2>&1; then
+    if timeout "${TEST_TIMEOUT:-150}" "$PY" -m pytest -m gpu "$id" -q -p no:cacheprovider > "$OUT/one_test.log" 2>&1; then
       echo "PASS $((SECONDS - t0))s $id"
     else
       echo "FAIL(rc=$?) $((SECONDS - t0))s $id"; tail -25 "$OUT/one_test.log"
@@ -46,7 +48,7 @@ run_suite() {  # [pytest -k expression]
 }
 run_bench() {  # name extra-args...
   local name=$1; shift
-  timeout "${BENCH_TIMEOUT:-240}" torchrun --nproc-per-node="${NPROC:-2}" -m overlap.bench \
+  timeout "${BENCH_TIMEOUT:-240}" "$PY" -m torch.distributed.run --nproc-per-node="${NPROC:-2}" -m overlap.bench \
     --out "$OUT/bench_$name.json" "$@" 2>&1 | quiet
 }
 for mode in "$@"; do
@@ -55,28 +57,28 @@ for mode in "$@"; do
     one_gpu)
       run_suite one_gpu
       for c in all_reduce reduce_scatter all_gather; do
-        NCCL_P2P_DISABLE=1 timeout 120 torchrun --nproc-per-node=2 tools/host_profile.py --one-gpu \
+        NCCL_P2P_DISABLE=1 timeout 120 "$PY" -m torch.distributed.run --nproc-per-node=2 tools/host_profile.py --one-gpu \
           --backend auto --collective $c --out "/tmp/host_$c.txt" > /dev/null 2>&1
         grep "^== \|host ms\|relative" "/tmp/host_$c.txt" | tee -a "$OUT/host_one_gpu.txt"
       done
-      NCCL_P2P_DISABLE=1 timeout 240 torchrun --nproc-per-node=2 tools/model_bench.py --one-gpu \
+      NCCL_P2P_DISABLE=1 timeout 240 "$PY" -m torch.distributed.run --nproc-per-node=2 tools/model_bench.py --one-gpu \
         --iters 3 --warmup 1 --out "$OUT/model_bench_one_gpu.json" 2>&1 | quiet | tail -8
-      NCCL_P2P_DISABLE=1 timeout 240 torchrun --nproc-per-node=2 tools/exchange_bench.py --one-gpu \
+      NCCL_P2P_DISABLE=1 timeout 240 "$PY" -m torch.distributed.run --nproc-per-node=2 tools/exchange_bench.py --one-gpu \
         --iters 3 --warmup 1 --out "$OUT/exchange_bench_one_gpu.json" 2>&1 | quiet | tail -10 ;;
     bench)
       run_bench nvlink --iters 20
       NCCL_P2P_DISABLE=1 run_bench no_p2p --iters 20 --shapes $big ;;
     soak)
-      timeout 170 torchrun --nproc-per-node=2 tools/soak.py --seconds 100 --out "$OUT/soak.json" 2>&1 | quiet | tail -25 ;;
+      timeout 170 "$PY" -m torch.distributed.run --nproc-per-node=2 tools/soak.py --seconds 100 --out "$OUT/soak.json" 2>&1 | quiet | tail -25 ;;
     soak1)
-      NCCL_P2P_DISABLE=1 timeout "${SOAK_TIMEOUT:-200}" torchrun --nproc-per-node=2 tools/soak.py \
+      NCCL_P2P_DISABLE=1 timeout "${SOAK_TIMEOUT:-200}" "$PY" -m torch.distributed.run --nproc-per-node=2 tools/soak.py \
         --one-gpu --seconds "${SOAK_SECONDS:-120}" --out "$OUT/soak_one_gpu.json" 2>&1 | quiet | tail -25 ;;
     timeline)
       for c in all_reduce reduce_scatter; do
-        timeout 60 torchrun --nproc-per-node=2 tools/timeline.py --collective $c --out "$OUT/timeline_$c.json" 2>&1 | quiet | tail -2
+        timeout 60 "$PY" -m torch.distributed.run --nproc-per-node=2 tools/timeline.py --collective $c --out "$OUT/timeline_$c.json" 2>&1 | quiet | tail -2
       done ;;
     four)
-      timeout 120 python3 examples/tp_linear.py 2>&1 | quiet | tee "$OUT/example.log"
+      timeout 120 "$PY" examples/tp_linear.py 2>&1 | quiet | tee "$OUT/example.log"
       NPROC=4 run_bench four_nvlink --shapes $big --iters 10
       NPROC=4 NCCL_P2P_DISABLE=1 BENCH_TIMEOUT=200 run_bench four_no_p2p --shapes 4096x8192x4096,16384x8192x4096 --iters 5 ;;
   esac
