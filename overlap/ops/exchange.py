@@ -80,7 +80,7 @@ def dispatch_forward(x, w, group, out, backend, chunks, sends, receives, runs, k
     rows = sum(receives)
     out = _split_out(out, (rows, N), x, w)
     call = _SplitCall(x, group, backend, chunks, sends, receives, N, K,
-                      "all_to_all_grouped_matmul")  # fmt: skip
+                      "all_to_all_grouped_matmul", {"width": K})  # (it sends x)  # fmt: skip
     if call.ctx is None:
         _product(x2, w, out, slice(0, M), slice(0, M), runs)
         return out, (x2.clone() if keep else x.new_empty(0))  # (x2 may be x: the op's input)
@@ -126,8 +126,8 @@ class _SplitCall:
         self.ctx = context(group, x.device)
         self.validating = guard.validating()
         if self.validating:
-            if agreed is None:  # the exchanged rows' width: the dispatch sends x, the rest x @ w
-                agreed = {"width": K if label == "all_to_all_grouped_matmul" else N}
+            if agreed is None:  # the exchanged rows' width: x @ w's (the dispatch passes x's)
+                agreed = {"width": N}
             p = self.plan
             fp = guard.fingerprint(label, x.dtype, agreed, p.layout())
             guard.agree(group, fp, p.describe(), p.splits)
