@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from ..collectives import collective
 from . import exchange
+from ._autograd import call, custom_op, differentiable
 from ._checks import check_operands, check_splits, group_of, via_op, world
 from ._engine import run_after, run_before
 
@@ -95,8 +96,7 @@ def matmul_collective(
     gname = via_op(x, w, out, group)
     if gname is not None:
         extra = (list(splits[0]), list(splits[1])) if split else ()
-        return torch.ops.overlap.matmul_collective(x, w, collective, gname, op, backend, chunks,
-                                                   *extra)  # fmt: skip
+        return _differentiable(x, w, collective, gname, op, backend, chunks, *extra)
     if split:
         return exchange.split_forward(x, w, group, out, backend, chunks, *splits)
     return run_after(x, w, collective, group, op, out, backend, chunks, collective)
@@ -163,7 +163,7 @@ def matmul_all_to_all(
 # The op as a torch custom op: torch.compile(fullgraph=True) keeps it whole (Dynamo cannot
 # trace the library's Python: locks, driver calls), and autograd runs the registered backward.
 # A group travels as its name ("" for None); the ops resolve it in Python, outside tracing.
-@torch.library.custom_op("overlap::matmul_collective", mutates_args=())
+@custom_op("overlap::matmul_collective")
 def _matmul_collective_op(
     x: torch.Tensor, w: torch.Tensor, collective: str, group: str, op: str, backend: str,
     chunks: int | None, sends: list[int] | None = None, receives: list[int] | None = None,
@@ -185,7 +185,7 @@ def _(x, w, collective_name, group, op, backend, chunks, sends=None, receives=No
     return x.new_empty(collective(collective_name).result_shape(tuple(x.shape), w.shape[1], R))
 
 
-@torch.library.custom_op("overlap::matmul_collective_backward", mutates_args=())
+@custom_op("overlap::matmul_collective_backward")
 def _backward_op(
     g: torch.Tensor, x: torch.Tensor, w: torch.Tensor, collective_name: str, group: str, op: str,
     need_dx: bool, need_dw: bool, g_x: torch.Tensor | None = None,
@@ -258,9 +258,10 @@ def _backward(ctx, g):
     x, w = ctx.saved_tensors
     need_dx, need_dw = ctx.needs_input_grad[:2]
     extra = (None, *ctx.splits) if ctx.splits and ctx.splits[0] is not None else ()
-    dx, dw = _backward_op(g, x, w, ctx.collective, ctx.group, ctx.op, need_dx, need_dw, *extra)
+    dx, dw = call(ctx, _backward_op, g, x, w, ctx.collective, ctx.group, ctx.op, need_dx,
+                  need_dw, *extra)  # fmt: skip
     return (dx if need_dx else None, dw if need_dw else None,
             *([None] * (len(ctx.needs_input_grad) - 2)))  # fmt: skip
 
 
-_matmul_collective_op.register_autograd(_backward, setup_context=_setup)
+_differentiable = differentiable(_matmul_collective_op, _setup, _backward)

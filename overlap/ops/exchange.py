@@ -23,6 +23,7 @@ from .. import comm, guard, stats
 from ..collectives import collective
 from ..context import context
 from ..plan import band_rows
+from ._autograd import call, custom_op, differentiable
 from ._checks import (
     capturing,
     check_chunks,
@@ -247,15 +248,13 @@ def grouped_matmul_all_to_all(
                                      backend, group, received=False)  # fmt: skip
     gname = via_op(x, w, out, group)
     if gname is not None:
-        return torch.ops.overlap.grouped_matmul_all_to_all(
-            x, w, expert_ids, gname, backend, chunks, list(sends), list(receives)
-        )
+        return _grouped(x, w, expert_ids, gname, backend, chunks, list(sends), list(receives))
     runs = ExpertRuns(expert_ids, w.shape[0])
     return split_forward(x, w, group, out, backend, chunks, sends, receives, runs,
                          "grouped_matmul_all_to_all")  # fmt: skip
 
 
-@torch.library.custom_op("overlap::grouped_matmul_all_to_all", mutates_args=())
+@custom_op("overlap::grouped_matmul_all_to_all")
 def _grouped_op(
     x: torch.Tensor, w: torch.Tensor, expert_ids: torch.Tensor, group: str, backend: str,
     chunks: int | None, sends: list[int], receives: list[int],
@@ -272,7 +271,7 @@ def _(x, w, expert_ids, group, backend, chunks, sends, receives):
     return x.new_empty(sum(receives), w.shape[-1])
 
 
-@torch.library.custom_op("overlap::grouped_matmul_all_to_all_backward", mutates_args=())
+@custom_op("overlap::grouped_matmul_all_to_all_backward")
 def _grouped_backward_op(
     g: torch.Tensor, x: torch.Tensor, w: torch.Tensor, expert_ids: torch.Tensor, group: str,
     sends: list[int], receives: list[int], need_dx: bool, need_dw: bool,
@@ -308,12 +307,12 @@ def _grouped_setup(ctx, inputs, output) -> None:
 def _grouped_backward(ctx, g):
     x, w, expert_ids = ctx.saved_tensors
     need_dx, need_dw = ctx.needs_input_grad[:2]
-    dx, dw = _grouped_backward_op(g, x, w, expert_ids, ctx.group, ctx.sends, ctx.receives,
-                                  need_dx, need_dw)  # fmt: skip
+    dx, dw = call(ctx, _grouped_backward_op, g, x, w, expert_ids, ctx.group, ctx.sends,
+                  ctx.receives, need_dx, need_dw)  # fmt: skip
     return (dx if need_dx else None, dw if need_dw else None, *([None] * 6))
 
 
-_grouped_op.register_autograd(_grouped_backward, setup_context=_grouped_setup)
+_grouped = differentiable(_grouped_op, _grouped_setup, _grouped_backward)
 
 
 def _check_grouped(x, w, expert_ids, sends, receives, backend, group, received: bool):
@@ -381,15 +380,13 @@ def all_to_all_grouped_matmul(
                                      backend, group, received=True)  # fmt: skip
     gname = via_op(x, w, out, group)
     if gname is not None:
-        return torch.ops.overlap.all_to_all_grouped_matmul(
-            x, w, expert_ids, gname, backend, chunks, list(sends), list(receives),
-            needs_grad(x, w),
-        )[0]  # fmt: skip
+        return _dispatch(x, w, expert_ids, gname, backend, chunks, list(sends), list(receives),
+                         needs_grad(x, w))[0]  # fmt: skip
     runs = ExpertRuns(expert_ids, w.shape[0])
     return dispatch_forward(x, w, group, out, backend, chunks, sends, receives, runs, False)[0]
 
 
-@torch.library.custom_op("overlap::all_to_all_grouped_matmul", mutates_args=())
+@custom_op("overlap::all_to_all_grouped_matmul")
 def _dispatch_op(
     x: torch.Tensor, w: torch.Tensor, expert_ids: torch.Tensor, group: str, backend: str,
     chunks: int | None, sends: list[int], receives: list[int], keep: bool,
@@ -420,16 +417,16 @@ def _dispatch_backward(ctx, g, _g_received):
     if g is None:
         return (None,) * 9
     # the combine's backward of the received rows, exchanged the other way
-    dz, dw = _grouped_backward_op(g, received, w, expert_ids, ctx.group, [], [], need_dx,
-                                  need_dw)  # fmt: skip
+    dz, dw = call(ctx, _grouped_backward_op, g, received, w, expert_ids, ctx.group, [], [],
+                  need_dx, need_dw)  # fmt: skip
     dx = None
     if need_dx:
-        dx = torch.ops.overlap.all_to_all_back(dz, ctx.group, ctx.sends, ctx.receives)
+        dx = call(ctx, _all_to_all_back, dz, ctx.group, ctx.sends, ctx.receives)
         dx = dx.reshape(ctx.x_shape)
     return (dx, dw if need_dw else None, *([None] * 7))
 
 
-@torch.library.custom_op("overlap::all_to_all_back", mutates_args=())
+@custom_op("overlap::all_to_all_back")
 def _all_to_all_back(
     g: torch.Tensor, group: str, sends: list[int], receives: list[int]
 ) -> torch.Tensor:
@@ -446,4 +443,4 @@ def _(g, group, sends, receives):
     return g.new_empty(sum(sends), g.shape[-1])
 
 
-_dispatch_op.register_autograd(_dispatch_backward, setup_context=_dispatch_setup)
+_dispatch = differentiable(_dispatch_op, _dispatch_setup, _dispatch_backward)

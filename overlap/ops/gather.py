@@ -9,6 +9,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from ._autograd import call, custom_op, differentiable
 from ._checks import check_operands, group_of, needs_grad, via_op, world
 from ._engine import run_before
 from .dense import _backward_op
@@ -59,13 +60,13 @@ def all_gather_matmul(
     gname = via_op(x, w, out, group)
     if gname is not None:
         keep = return_gathered or needs_grad(x, w)  # the backward needs x_full
-        y, full = torch.ops.overlap.all_gather_matmul(x, w, gname, backend, chunks, keep)
+        y, full = _differentiable(x, w, gname, backend, chunks, keep)
         return (y, full) if return_gathered else y
     y, full = run_before(x, w, group, out, backend, chunks, return_gathered)
     return (y, full) if return_gathered else y
 
 
-@torch.library.custom_op("overlap::all_gather_matmul", mutates_args=())
+@custom_op("overlap::all_gather_matmul")
 def _all_gather_matmul_op(
     x: torch.Tensor, w: torch.Tensor, group: str, backend: str, chunks: int | None, keep: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,9 +96,10 @@ def _gather_backward(ctx, g, g_full):
     if g_full is not None and g_full.numel() == 0:
         g_full = None
     extra = () if g_full is None else (g_full,)  # (inductor drops a None passed for it)
-    dx, dw = _backward_op(g, full, w, "all_gather", ctx.group, "sum", need_dx, need_dw, *extra)
+    dx, dw = call(ctx, _backward_op, g, full, w, "all_gather", ctx.group, "sum", need_dx,
+                  need_dw, *extra)  # fmt: skip
     return (dx.reshape(ctx.shape) if need_dx else None, dw if need_dw else None,
             None, None, None, None)  # fmt: skip
 
 
-_all_gather_matmul_op.register_autograd(_gather_backward, setup_context=_gather_setup)
+_differentiable = differentiable(_all_gather_matmul_op, _gather_setup, _gather_backward)
