@@ -8,8 +8,9 @@ Rank 0 prints (and writes) the host milliseconds per call of the plain and the o
 path, the overlapped call's when replayed from a CUDA graph (``graph.replay()``), and the
 functions that take the most time, own time first (the overlapped call's raw profile goes to
 OUT.prof). The GPU sleeps between calls so that the host never waits for it and only the
-host's own work is measured: each call alone after a barrier, and calls back to back in
-bursts of ``BURST`` (what a model issuing layer after layer pays). Calls repeat their
+host's own work is measured: each call alone after a barrier, after other work (a matmul
+and an activation issued just before it, as between a model's layers), and calls back to
+back in bursts of ``BURST``. Calls repeat their
 arguments, so copy-engine calls replay their recorded graphs (``ops._recorded``);
 ``--distinct`` lets the library keep one record (``ops._record.MAX_RECORDS = 1``) and alternates two
 outputs, so every call is issued in full.
@@ -116,11 +117,16 @@ def main() -> None:
     runs = [("plain: x @ w, then the collective", plain)] if not args.one_gpu else []
     described = overlap.plan(x, w, args.collective, backend=args.backend).describe()
 
-    def timed(run, burst: int = 1) -> list[float]:  # host ms per call, sorted
+    def other_work():  # what a model issues between two calls: a matmul, an activation
+        torch.nn.functional.silu(x[: min(x.shape[0], 1024)] @ w)
+
+    def timed(run, burst: int = 1, before=None) -> list[float]:  # host ms per call, sorted
         host = []
         for _ in range(args.calls):
             dist.barrier()
             torch.cuda._sleep(20_000_000)  # ~10 ms: the GPU never holds the host back
+            if before is not None:
+                before()
             t0 = time.perf_counter()
             for _ in range(burst):
                 run()
@@ -128,12 +134,11 @@ def main() -> None:
             torch.cuda.synchronize()
         return sorted(host)
 
-    def stats(run) -> str:  # a call alone after a barrier, and calls back to back
-        one, many = timed(run), timed(run, BURST)
-        return (
-            f"median {one[len(one) // 2]:.3f}, min {one[0]:.3f}; in bursts of {BURST}: "
-            f"median {many[len(many) // 2]:.3f}, min {many[0]:.3f}"
-        )
+    def stats(run) -> str:  # a call alone after a barrier, after other work, back to back
+        parts = (("alone", timed(run)), ("after other work", timed(run, before=other_work)),
+                 (f"in bursts of {BURST}", timed(run, BURST)))  # fmt: skip
+        return "; ".join(f"{what}: median {t[len(t) // 2]:.3f}, min {t[0]:.3f}"
+                         for what, t in parts)  # fmt: skip
 
     for what, run in (*runs, (described, ovl)):
         for _ in range(3):

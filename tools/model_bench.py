@@ -20,17 +20,34 @@ dropped). torch's async-TP is not a mode yet (to be added where it runs, on 2+ G
     NCCL_P2P_DISABLE=1 torchrun --nproc-per-node=2 tools/model_bench.py --one-gpu
     torchrun --nproc-per-node=N tools/model_bench.py --layers 2 --seq 4096
 
+On GPUs each mode also gets its host time (``prefill_host_ms``, ``train_host_ms``: the
+median wall time to issue one prefill forward, one training step, the slowest rank's) with the
+GPU kept ahead: every round queues ``torch.cuda._sleep`` for longer than the issue takes, and
+a round in which the GPU caught up (its event after the sleep done before the issue ended) is
+counted in ``host_rounds_caught_up``. ``--profile PATH``: rank 0's cProfile of the library's
+training step (the backward on the calling thread), own time first.
+
 CPU and ``--one-gpu`` (two ranks time-slicing GPU 0 over gloo) check correctness only: their
-JSON says ``"timing_meaningful": false``.
+JSON says ``"timing_meaningful": false``. Host times are meaningful on ``--one-gpu`` too, but
+gloo's collectives on CUDA tensors wait on the host for the GPU, so there torch's collectives
+(the plain mode's and the library's plain-path ones) are issued on each rank's one-rank NCCL
+group instead (``_nccl_issue_cost``): the host pays what a NCCL collective costs to issue, no
+data move, and the results of those timed rounds are wrong.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import cProfile
 import importlib.util
+import io
 import json
 import pathlib
+import pstats
+import statistics
+import time
 
 import torch
 import torch.distributed as dist
@@ -133,6 +150,89 @@ def _step(model: nn.Module, x: torch.Tensor, g: torch.Tensor):
     return y.detach(), x.grad, dict(model.named_parameters())
 
 
+@contextlib.contextmanager
+def _nccl_issue_cost():
+    """torch's collectives on CUDA tensors issued on this rank's one-rank NCCL group (see the
+    module docstring): same calls, this rank's part only."""
+    rank, R = dist.get_rank(), dist.get_world_size()
+    mine = [dist.new_group([r], backend="nccl") for r in range(R)][rank]
+    names = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
+             "reduce_scatter_tensor", "reduce_scatter_single")  # fmt: skip
+    saved = {n: getattr(dist, n) for n in names if hasattr(dist, n)}
+
+    def first(t, n):  # the leading rows that a one-rank collective of n rows writes or reads
+        return t.narrow(0, 0, n)
+
+    def gather(out, t, *a, **k):
+        return saved["all_gather_into_tensor"](first(out, t.shape[0]), t, group=mine)
+
+    def scatter(out, t, *a, **k):
+        return saved["reduce_scatter_tensor"](out, first(t, out.shape[0]), group=mine)
+
+    patches = dict(
+        all_reduce=lambda t, *a, **k: saved["all_reduce"](t, group=mine),
+        all_gather=lambda parts, t, *a, **k: saved["all_gather"](parts[:1], t, group=mine),
+        all_gather_into_tensor=gather, all_gather_single=gather,
+        reduce_scatter_tensor=scatter, reduce_scatter_single=scatter,
+    )  # fmt: skip
+    for n in saved:
+        setattr(dist, n, patches[n])
+    try:
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(dist, n, f)
+
+
+def host_ms(fn, rounds: int, warmup: int) -> tuple[float, int]:
+    """Median host milliseconds to issue ``fn`` with the GPU kept ahead (the slowest rank's),
+    and in how many rounds the GPU caught up with the host (any rank)."""
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+    ev[0].record(), torch.cuda._sleep(10_000_000), ev[1].record(), ev[1].synchronize()
+    per_ms = 10_000_000 / ev[0].elapsed_time(ev[1])  # sleep cycles per ms
+    times, caught, ahead = [], 0, 50.0  # ms of sleep queued before each issue
+    for i in range(warmup + rounds):
+        dist.barrier()
+        torch.cuda._sleep(int(ahead * per_ms))
+        slept = torch.cuda.Event()
+        slept.record()
+        t0 = time.perf_counter()
+        fn()
+        t = (time.perf_counter() - t0) * 1e3
+        done = slept.query()
+        torch.cuda.synchronize()
+        ahead = max(ahead, 3 * t)
+        if i >= warmup:
+            times.append(t)
+            caught += done
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (statistics.median(times), caught))
+    return max(e[0] for e in every), sum(e[1] for e in every)
+
+
+def _profile(step, rounds: int, path: str | None) -> None:
+    """cProfile of ``rounds`` calls of ``step`` (the backward on this thread), own time first,
+    written to ``path`` (every rank steps; None: this rank writes nothing)."""
+    prof = cProfile.Profile()
+    with torch.autograd.set_multithreading_enabled(False):
+        for _ in range(rounds):
+            dist.barrier()
+            torch.cuda._sleep(50_000_000)
+            prof.enable()
+            step()
+            prof.disable()
+            torch.cuda.synchronize()
+    if path is None:
+        return
+    buf = io.StringIO()
+    stats = pstats.Stats(prof, stream=buf)
+    buf.write(f"{rounds} training steps under cProfile (its overhead included)\n")
+    stats.sort_stats("tottime").print_stats(40)
+    stats.sort_stats("cumulative").print_stats("overlap", 40)
+    pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
+    pathlib.Path(path).write_text(buf.getvalue())
+
+
 def bench(args: argparse.Namespace, dev: torch.device, timing_meaningful: bool) -> None:
     """Builds, checks and times both modes for each sequence-parallel setting (every rank)."""
     spec = importlib.util.spec_from_file_location("tp_transformer", ROOT / "examples" /
@@ -179,10 +279,26 @@ def bench(args: argparse.Namespace, dev: torch.device, timing_meaningful: bool) 
             rows.append(dict(mode=mode, sequence_parallel=sp, prefill_ms=pre,
                              prefill_tok_s=args.seq / pre * 1e3, train_ms=train,
                              train_tok_s=args.seq / train * 1e3))  # fmt: skip
+        if dev.type == "cuda":
+            proxy = _nccl_issue_cost() if dist.get_backend() == "gloo" else contextlib.nullcontext()
+            with proxy:
+                for row, model in zip(rows[-2:], models.values(), strict=True):
+                    with torch.no_grad():
+                        row["prefill_host_ms"], c0 = host_ms(lambda: model(xs), args.iters,
+                                                             args.warmup)  # fmt: skip
+                    row["train_host_ms"], c1 = host_ms(lambda: _step(model, xs, gs), args.iters,
+                                                       args.warmup)  # fmt: skip
+                    row["host_rounds_caught_up"] = c0 + c1
+                if args.profile:  # every rank steps (the calls are collectives); rank 0 writes
+                    lib, where = models["overlap"], f"{args.profile}.sp{int(sp)}.txt"
+                    _profile(lambda: _step(lib, xs, gs), args.iters, where if rank == 0 else None)
         base = rows[-2]
         for row in rows[-2:]:
             row["speedup_prefill"] = base["prefill_ms"] / row["prefill_ms"]
             row["speedup_train"] = base["train_ms"] / row["train_ms"]
+            if "train_host_ms" in row:
+                row["host_ratio_prefill"] = row["prefill_host_ms"] / base["prefill_host_ms"]
+                row["host_ratio_train"] = row["train_host_ms"] / base["train_host_ms"]
         del models, tp, plain, p0, p1  # free this setting's memory before the next
     if rank == 0:
         _report(args, dev, R, timing_meaningful, rows, errors, tol)
@@ -192,11 +308,15 @@ def _report(args, dev, R, timing_meaningful, rows, errors, tol) -> None:
     """Prints the table and writes the JSON (rank 0)."""
     head = f"{'mode':8} {'sp':>2} {'prefill ms':>11} {'prefill tok/s':>14} {'train ms':>10} " \
            f"{'train tok/s':>12} {'speedup p/t':>12}"  # fmt: skip
-    print(head)
+    host = "train_host_ms" in rows[0]
+    print(head + (f" {'host ms p/t':>15} {'host x plain p/t':>17}" if host else ""))
     for r in rows:
         print(f"{r['mode']:8} {int(r['sequence_parallel']):>2} {r['prefill_ms']:11.3f} "
               f"{r['prefill_tok_s']:14.0f} {r['train_ms']:10.3f} {r['train_tok_s']:12.0f} "
-              f"{r['speedup_prefill']:5.2f}/{r['speedup_train']:.2f}")  # fmt: skip
+              f"{r['speedup_prefill']:5.2f}/{r['speedup_train']:.2f}" + (
+              f" {r['prefill_host_ms']:7.2f}/{r['train_host_ms']:<7.2f} "
+              f"{r['host_ratio_prefill']:8.2f}/{r['host_ratio_train']:.2f}"
+              if host else ""))  # fmt: skip
     print("relative errors overlap vs plain:", json.dumps(errors))
     write_json(args, dev, R, timing_meaningful, rows, errors, tol)
 
@@ -206,6 +326,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_options(ap, SMALL, "bench_out/model_bench.json")
     ap.add_argument("--sequence-parallel", choices=("0", "1", "both"), default="both")
+    ap.add_argument("--profile", metavar="PATH", help="GPU: cProfile of the library's step "
+                    "(rank 0) to PATH.sp0.txt / PATH.sp1.txt")  # fmt: skip
     args = ap.parse_args()
     launch(args, fill_defaults(args, SMALL, LARGE), bench, "model_bench.py")
 
