@@ -20,12 +20,14 @@ dropped). torch's async-TP is not a mode yet (to be added where it runs, on 2+ G
     NCCL_P2P_DISABLE=1 torchrun --nproc-per-node=2 tools/model_bench.py --one-gpu
     torchrun --nproc-per-node=N tools/model_bench.py --layers 2 --seq 4096
 
-On GPUs each mode also gets its host time (``prefill_host_ms``, ``train_host_ms``: the
-median wall time to issue one prefill forward, one training step, the slowest rank's) with the
-GPU kept ahead: every round queues ``torch.cuda._sleep`` for longer than the issue takes, and
-a round in which the GPU caught up (its event after the sleep done before the issue ended) is
-counted in ``host_rounds_caught_up``. ``--profile PATH``: rank 0's cProfile of the library's
-training step (the backward on the calling thread), own time first.
+On GPUs each mode also gets its host time (``prefill_host_ms``, ``train_host_ms``, and
+``_min``: the median and least wall time to issue one prefill forward, one training step, the
+slowest rank's; ``host_ratio_*``: the median over rounds of the library's time over plain
+torch's in the same round) with the GPU kept ahead: every issue follows a
+``torch.cuda._sleep`` longer than it takes, the four issues of a round alternate in order,
+and an issue that the GPU caught up with (its event after the sleep done before the issue
+ended) is counted in ``host_issues_caught_up``. ``--profile PATH``: rank 0's cProfile of the
+library's training step (the backward on the calling thread), own time first.
 
 CPU and ``--one-gpu`` (two ranks time-slicing GPU 0 over gloo) check correctness only: their
 JSON says ``"timing_meaningful": false``. Host times are meaningful on ``--one-gpu`` too, but
@@ -184,30 +186,38 @@ def _nccl_issue_cost():
             setattr(dist, n, f)
 
 
-def host_ms(fn, rounds: int, warmup: int) -> tuple[float, int]:
-    """Median host milliseconds to issue ``fn`` with the GPU kept ahead (the slowest rank's),
-    and in how many rounds the GPU caught up with the host (any rank)."""
+def host_ms(fns: dict, rounds: int, warmup: int) -> tuple[dict, int]:
+    """Host milliseconds to issue each of ``fns`` (name -> callable) with the GPU kept ahead,
+    per round (the slowest rank's; every round issues each once, in turn, the order reversed
+    every other round), and in how many issues the GPU caught up with the host (any rank)."""
     ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
     ev[0].record(), torch.cuda._sleep(10_000_000), ev[1].record(), ev[1].synchronize()
     per_ms = 10_000_000 / ev[0].elapsed_time(ev[1])  # sleep cycles per ms
-    times, caught, ahead = [], 0, 50.0  # ms of sleep queued before each issue
+    times, caught, ahead = {k: [] for k in fns}, 0, 50.0  # ms of sleep queued before each issue
     for i in range(warmup + rounds):
-        dist.barrier()
-        torch.cuda._sleep(int(ahead * per_ms))
-        slept = torch.cuda.Event()
-        slept.record()
-        t0 = time.perf_counter()
-        fn()
-        t = (time.perf_counter() - t0) * 1e3
-        done = slept.query()
-        torch.cuda.synchronize()
-        ahead = max(ahead, 3 * t)
-        if i >= warmup:
-            times.append(t)
-            caught += done
+        for name in list(fns)[:: 1 if i % 2 else -1]:
+            dist.barrier()
+            torch.cuda._sleep(int(ahead * per_ms))
+            slept = torch.cuda.Event()
+            slept.record()
+            t0 = time.perf_counter()
+            fns[name]()
+            t = (time.perf_counter() - t0) * 1e3
+            done = slept.query()
+            torch.cuda.synchronize()
+            ahead = max(ahead, 3 * t)
+            if i >= warmup:
+                times[name].append(t)
+                caught += done
     every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, (statistics.median(times), caught))
-    return max(e[0] for e in every), sum(e[1] for e in every)
+    dist.all_gather_object(every, (times, caught))
+    slowest = {k: [max(e[0][k][j] for e in every) for j in range(rounds)] for k in fns}
+    return slowest, sum(e[1] for e in every)
+
+
+def _prefill(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(x)
 
 
 def _profile(step, rounds: int, path: str | None) -> None:
@@ -282,13 +292,20 @@ def bench(args: argparse.Namespace, dev: torch.device, timing_meaningful: bool) 
         if dev.type == "cuda":
             proxy = _nccl_issue_cost() if dist.get_backend() == "gloo" else contextlib.nullcontext()
             with proxy:
-                for row, model in zip(rows[-2:], models.values(), strict=True):
-                    with torch.no_grad():
-                        row["prefill_host_ms"], c0 = host_ms(lambda: model(xs), args.iters,
-                                                             args.warmup)  # fmt: skip
-                    row["train_host_ms"], c1 = host_ms(lambda: _step(model, xs, gs), args.iters,
-                                                       args.warmup)  # fmt: skip
-                    row["host_rounds_caught_up"] = c0 + c1
+                fns = {}
+                for mode, model in models.items():
+                    fns["prefill", mode] = lambda m=model: _prefill(m, xs)
+                    fns["train", mode] = lambda m=model: _step(m, xs, gs)
+                host, caught = host_ms(fns, args.iters, args.warmup)
+                for row in rows[-2:]:
+                    for what in ("prefill", "train"):
+                        mine, plain = host[what, row["mode"]], host[what, "plain"]
+                        row[f"{what}_host_ms"] = statistics.median(mine)
+                        row[f"{what}_host_ms_min"] = min(mine)
+                        row[f"host_ratio_{what}"] = statistics.median(
+                            a / b for a, b in zip(mine, plain, strict=True)
+                        )
+                    row["host_issues_caught_up"] = caught
                 if args.profile:  # every rank steps (the calls are collectives); rank 0 writes
                     lib, where = models["overlap"], f"{args.profile}.sp{int(sp)}.txt"
                     _profile(lambda: _step(lib, xs, gs), args.iters, where if rank == 0 else None)
@@ -296,9 +313,6 @@ def bench(args: argparse.Namespace, dev: torch.device, timing_meaningful: bool) 
         for row in rows[-2:]:
             row["speedup_prefill"] = base["prefill_ms"] / row["prefill_ms"]
             row["speedup_train"] = base["train_ms"] / row["train_ms"]
-            if "train_host_ms" in row:
-                row["host_ratio_prefill"] = row["prefill_host_ms"] / base["prefill_host_ms"]
-                row["host_ratio_train"] = row["train_host_ms"] / base["train_host_ms"]
         del models, tp, plain, p0, p1  # free this setting's memory before the next
     if rank == 0:
         _report(args, dev, R, timing_meaningful, rows, errors, tol)
