@@ -6,7 +6,9 @@
 - ``exchange.py``: the uneven exchanges (the all-to-all with split sizes, the MoE combine
   ``grouped_matmul_all_to_all`` and dispatch ``all_to_all_grouped_matmul``);
 - ``bags.py``: ``embedding_bag_all_to_all``;
-- ``_record.py``: recorded calls (a repeated eager call replays a CUDA graph).
+- ``_record.py``: recorded calls (a repeated eager call replays a CUDA graph);
+- ``_autograd.py``: each differentiable op as a custom op (``torch.compile``) and as an
+  ``autograd.Function`` over the same body (eager autograd, less host time).
 
 Each family's file holds its checks, forward, custom op (schema, fake, autograd) and
 backward.
