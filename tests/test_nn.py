@@ -6,6 +6,7 @@ to ``from_linear`` and a layer made before the process group raise."""
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import torch
@@ -120,7 +121,13 @@ def _made_before_the_group(rank, R):
     import torch.distributed as dist
 
     store = dist.distributed_c10d._get_default_store()
+    dist.barrier()
     dist.destroy_process_group()
+    # every rank has closed the old group's connections before any opens the new one's (a CI
+    # run once had gloo's connectFullMesh refused: "Connection closed by peer")
+    store.add("destroyed", 1)
+    while store.add("destroyed", 0) < R:
+        time.sleep(0.01)
     layers = [ColumnParallelLinear(8, 8), RowParallelLinear(8, 8)]
     dist.init_process_group("gloo", store=dist.PrefixStore("again", store), rank=rank,
                             world_size=R)  # fmt: skip
