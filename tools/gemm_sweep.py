@@ -13,7 +13,11 @@ Kernels (each with the plan the library makes for it, world size = the shape's T
   added from receive slots whose flags are already set);
 - ``cel``: the kernel on the copy engines' blocked plan without the fused epilogue (every tile
   to its slot, one program per tile): the band layout alone, for ``ce`` against ``ar``;
-- ``cbar``, ``cbrs``: cuBLAS per chunk into the slots of the ``ar`` and ``rs`` plans.
+- ``cbar``, ``cbrs``: cuBLAS per chunk into the slots of the ``ar`` and ``rs`` plans;
+- ``tri``, ``trip``: what Triton gives at best on this chip, the floor of this design: a plain
+  matmul through TMA descriptors (no chunks, counters or epilogue), one program per tile
+  (``tri``, what the NCCL road may launch) or one per SM (``trip``, the copy engines' road);
+  with several tile configs, the JSON's summary also has ``KIND best``, per shape the fastest.
 
 A kernel named ``KIND:BMxBNxBK/W/S`` runs with that tile config (``--configs``: every kernel). A
 kernel name may end in ``@NAME``: the same kernel through ``--baseline NAME=PATH``, a copy of
@@ -46,11 +50,13 @@ import time
 
 import torch
 import triton
+import triton.language as tl
 from triton.testing import do_bench
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 import overlap.gemm
 from overlap.bench import kernel_alone
-from overlap.plan import MIN_OVERLAP_FLOPS, Tiles, make_plan
+from overlap.plan import MIN_OVERLAP_FLOPS, Tiles, make_plan, tiles_for
 
 _BASE = {}  # NAME: the --baseline module NAME
 
@@ -121,6 +127,48 @@ def _cublas_chunks(x, w, plan, slots):
     return launch
 
 
+@triton.jit
+def _plain_matmul(x_desc, w_desc, y_desc, M, N, K, W_NK: tl.constexpr, BM: tl.constexpr,
+                  BN: tl.constexpr, BK: tl.constexpr, PERSISTENT: tl.constexpr):  # fmt: skip
+    """``y = x @ w`` by tiles grouped 8 tile rows at a time; ``w`` described as ``[N, K]``
+    (``W_NK``) or ``[K, N]``."""
+    tm, tn = tl.cdiv(M, BM), tl.cdiv(N, BN)
+    step = tl.num_programs(0) if PERSISTENT else tm * tn
+    for t in tl.range(tl.program_id(0), tm * tn, step, flatten=PERSISTENT):
+        first = (t // (8 * tn)) * 8
+        rows = min(tm - first, 8)
+        m0, n0 = (first + t % rows) * BM, (t % (8 * tn)) // rows * BN
+        acc = tl.zeros((BM, BN), tl.float32)
+        for k in range(0, tl.cdiv(K, BK)):
+            a = x_desc.load([m0, k * BK])
+            b = w_desc.load([n0, k * BK]).T if W_NK else w_desc.load([k * BK, n0])
+            acc = tl.dot(a, b, acc)
+        y_desc.store([m0, n0], acc.to(y_desc.dtype))
+
+
+def _plain(x, w, tiles, persistent: bool):
+    """``(launch, y)``: ``launch()`` runs ``_plain_matmul`` of ``x @ w`` into ``y``."""
+    (M, K), N = x.shape, w.shape[1]
+    t = tiles
+    nk = w.stride(0) == 1
+    y = torch.empty(M, N, device=x.device, dtype=x.dtype)
+    xd = TensorDescriptor.from_tensor(x, [t.block_m, t.block_k])
+    wd = TensorDescriptor.from_tensor(w.t() if nk else w, [t.block_n, t.block_k] if nk
+                                      else [t.block_k, t.block_n])  # fmt: skip
+    yd = TensorDescriptor.from_tensor(y, [t.block_m, t.block_n])
+    n = triton.cdiv(M, t.block_m) * triton.cdiv(N, t.block_n)
+    grid = (min(n, torch.cuda.get_device_properties(x.device).multi_processor_count)
+            if persistent else n,)  # fmt: skip
+
+    consts = (nk, t.block_m, t.block_n, t.block_k, persistent)
+
+    def launch():
+        return _plain_matmul[grid](xd, wd, yd, M, N, K, *consts, num_warps=t.num_warps,
+                                   num_stages=t.num_stages)  # fmt: skip
+
+    return launch, y
+
+
 @contextlib.contextmanager
 def _kernel_of(base: str):
     """``overlap.gemm.chunked_matmul`` replaced by the ``--baseline`` module ``base``'s (if
@@ -139,10 +187,15 @@ def _variant(kind, x, w, tp, dtype, tiles):
     against cuBLAS's ``y`` and whether its counters match the plan. Kinds: ``ar``, ``rs``
     (the kernel of the NCCL transport's plans), ``ce`` (the copy engines' fused epilogue),
     ``cel`` (``ce``'s plan, plain epilogue), ``cbar``, ``cbrs`` (cuBLAS per chunk into the
-    slots of the ``ar`` and ``rs`` plans); ``@NAME``: through the ``--baseline`` module NAME."""
+    slots of the ``ar`` and ``rs`` plans), ``tri``, ``trip`` (a plain Triton matmul);
+    ``@NAME``: through the ``--baseline`` module NAME."""
     kind, _, base = kind.partition("@")
     M, K = x.shape
     N = w.shape[1]
+    if kind in ("tri", "trip"):
+        launch, mine = _plain(x, w, tiles or tiles_for(M, dtype.itemsize * 8), kind == "trip")
+        rel = lambda y: ((mine.float() - y.float()).norm() / y.float().norm()).item()  # noqa: E731
+        return launch, lambda y: (rel(y), True), None
     coll = "reduce_scatter" if kind.endswith("rs") else "all_reduce"
     blocked = kind in ("ce", "cel")
     if coll == "reduce_scatter" and M % tp:
@@ -191,24 +244,30 @@ def _variant(kind, x, w, tp, dtype, tiles):
 
 
 def _write(path: str, rows: list[dict], t0: float, verbose: bool = False) -> None:
-    """The JSON: rows, and per kernel the median and worst ratio to cuBLAS."""
+    """The JSON: rows, and per kernel (and per kind run with several configs, its fastest
+    config shape by shape: ``KIND best``) the median and worst ratio to cuBLAS."""
+    ratios = [{n: k["ratio"] for n, k in r["kernels"].items()} for r in rows]
+    for rr in ratios:
+        for kind in {n.split(":")[0] for n in rr if ":" in n}:
+            same = [v for n, v in rr.items() if n.split(":")[0] == kind]
+            if len(same) > 1:
+                rr[f"{kind} best"] = min(same)
     summary = {}
-    for n in sorted({k for r in rows for k in r["kernels"]}):
+    for n in sorted({k for rr in ratios for k in rr}):
         for big in (False, True):  # all rows; the products the library overlaps by default
-            sel = [r for r in rows if n in r["kernels"]
+            sel = [(r, rr[n]) for r, rr in zip(rows, ratios, strict=True) if n in rr
                    and (not big or 2 * r["M"] * r["N"] * r["K"] >= MIN_OVERLAP_FLOPS)]  # fmt: skip
             if not sel:
                 continue
-            ratios = [r["kernels"][n]["ratio"] for r in sel]
-            worst = max(sel, key=lambda r: r["kernels"][n]["ratio"])
+            worst, high = max(sel, key=lambda s: s[1])
             key = f"{n} >=2e11" if big else n
             at = f"{worst['M']}x{worst['N']}x{worst['K']} {worst['dtype']} {worst['layout']}"
-            summary[key] = dict(median=statistics.median(ratios), worst=max(ratios),
-                                n=len(ratios), worst_at=f"{worst['label']} {at}")  # fmt: skip
+            summary[key] = dict(median=statistics.median(v for _, v in sel), worst=high,
+                                n=len(sel), worst_at=f"{worst['label']} {at}")  # fmt: skip
             if verbose:
                 s = summary[key]
                 print(f"{key}: x cuBLAS median {s['median']:.3f}, worst {s['worst']:.3f} at "
-                      f"{s['worst_at']} ({len(ratios)} rows)")  # fmt: skip
+                      f"{s['worst_at']} ({len(sel)} rows)")  # fmt: skip
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
                 triton=triton.__version__, cuda=torch.version.cuda,
                 date=time.strftime("%Y-%m-%d"), seconds=round(time.time() - t0))  # fmt: skip
@@ -265,7 +324,11 @@ def main(argv: list[str] | None = None) -> None:
                         if v is None:
                             continue
                         launch, check, plan = v
-                        k = launch()
+                        try:
+                            k = launch()
+                        except triton.runtime.errors.OutOfResources as e:  # (a --configs one)
+                            print(f"{name} at {M}x{N}x{K}: {e}", flush=True)
+                            continue
                         regs[name] = (k.n_regs, k.n_spills) if k is not None else None
                         fns[name], checks[name], plans[name] = launch, check, plan
                 times = {n: [] for n in fns}
@@ -283,8 +346,9 @@ def main(argv: list[str] | None = None) -> None:
                 for n, check in checks.items():
                     ms = statistics.median(times[n])
                     err, counted = check(y)
+                    chunks = plans[n].n_chunks if plans[n] else None  # (None: tri, trip)
                     row["kernels"][n] = dict(ms=ms, ratio=ms / cub, err=err, counters_ok=counted,
-                                             chunks=plans[n].n_chunks, regs=regs[n])  # fmt: skip
+                                             chunks=chunks, regs=regs[n])  # fmt: skip
                     bad = "" if err < 1e-2 and counted else " WRONG"
                     line += f" {n} {ms:.4f} ({ms / cub:.3f}){bad}"
                 rows.append(row)
