@@ -9,8 +9,9 @@ path, the overlapped call's when replayed from a CUDA graph (``graph.replay()``)
 functions that take the most time, own time first (the overlapped call's raw profile goes to
 OUT.prof). The GPU sleeps between calls so that the host never waits for it and only the
 host's own work is measured: each call alone after a barrier, after other work (a matmul
-and an activation issued just before it, as between a model's layers), and calls back to
-back in bursts of ``BURST``. Calls repeat their
+and an activation issued just before it, as between a model's layers), the same with the
+ranks taking turns (``--one-gpu``: while one rank issues, the other waits at a barrier, as
+if each had its GPU to itself), and calls back to back in bursts of ``BURST``. Calls repeat their
 arguments, so copy-engine calls replay their recorded graphs (``ops._recorded``);
 ``--distinct`` lets the library keep one record (``ops._record.MAX_RECORDS = 1``) and alternates two
 outputs, so every call is issued in full.
@@ -122,22 +123,29 @@ def main() -> None:
     def other_work():  # what a model issues between two calls: a matmul, an activation
         torch.nn.functional.silu(x[: min(x.shape[0], 1024)] @ w)
 
-    def timed(run, burst: int = 1, before=None) -> list[float]:  # host ms per call, sorted
-        host = []
+    def timed(run, burst: int = 1, before=None, turns: bool = False) -> list[float]:
+        host = []  # host ms per call, sorted
         for _ in range(args.calls):
             dist.barrier()
             torch.cuda._sleep(20_000_000)  # ~10 ms: the GPU never holds the host back
-            if before is not None:
-                before()
-            t0 = time.perf_counter()
-            for _ in range(burst):
-                run()
-            host.append((time.perf_counter() - t0) * 1e3 / burst)
+            for turn in range(R) if turns else [None]:
+                if turns:  # one rank issues while the others wait here
+                    dist.barrier()
+                if turn not in (None, dist.get_rank()):
+                    continue
+                if before is not None:
+                    before()
+                t0 = time.perf_counter()
+                for _ in range(burst):
+                    run()
+                host.append((time.perf_counter() - t0) * 1e3 / burst)
             torch.cuda.synchronize()
         return sorted(host)
 
     def stats(run) -> str:  # a call alone after a barrier, after other work, back to back
         parts = (("alone", timed(run)), ("after other work", timed(run, before=other_work)),
+                 *((("after other work, ranks in turn", timed(run, before=other_work, turns=True)),)
+                   if args.one_gpu else ()),
                  (f"in bursts of {BURST}", timed(run, BURST)))  # fmt: skip
         return "; ".join(f"{what}: median {t[len(t) // 2]:.3f}, min {t[0]:.3f}"
                          for what, t in parts)  # fmt: skip
