@@ -32,6 +32,7 @@ import itertools
 import os
 import pathlib
 import pstats
+import statistics
 import time
 
 BURST = 10  # calls back to back in a burst
@@ -123,24 +124,28 @@ def main() -> None:
     def other_work():  # what a model issues between two calls: a matmul, an activation
         torch.nn.functional.silu(x[: min(x.shape[0], 1024)] @ w)
 
-    def timed(run, burst: int = 1, before=None, turns: bool = False) -> list[float]:
-        host = []  # host ms per call, sorted
-        for _ in range(args.calls):
-            dist.barrier()
-            torch.cuda._sleep(20_000_000)  # ~10 ms: the GPU never holds the host back
-            for turn in range(R) if turns else [None]:
-                if turns:  # one rank issues while the others wait here
-                    dist.barrier()
-                if turn not in (None, dist.get_rank()):
-                    continue
-                if before is not None:
-                    before()
-                t0 = time.perf_counter()
-                for _ in range(burst):
-                    run()
-                host.append((time.perf_counter() - t0) * 1e3 / burst)
-            torch.cuda.synchronize()
-        return sorted(host)
+    def timed(run, burst: int = 1, before=None, turns: bool = False, *also) -> list[float]:
+        """Host ms per call of ``run``, sorted; with ``also``, per round (each run in turn,
+        the order reversed every other round) a list of ``run``'s and each of ``also``'s."""
+        fns, host = (run, *also), []
+        for i in range(args.calls):
+            host.append([0.0] * len(fns))
+            for j in range(len(fns))[:: 1 - 2 * (i % 2)]:
+                dist.barrier()
+                torch.cuda._sleep(20_000_000)  # ~10 ms: the GPU never holds the host back
+                for turn in range(R) if turns else [None]:
+                    if turns:  # one rank issues while the others wait here
+                        dist.barrier()
+                    if turn not in (None, dist.get_rank()):
+                        continue
+                    if before is not None:
+                        before()
+                    t0 = time.perf_counter()
+                    for _ in range(burst):
+                        fns[j]()
+                    host[-1][j] = (time.perf_counter() - t0) * 1e3 / burst
+                torch.cuda.synchronize()
+        return host if also else sorted(h[0] for h in host)
 
     def stats(run) -> str:  # a call alone after a barrier, after other work, back to back
         parts = (("alone", timed(run)), ("after other work", timed(run, before=other_work)),
@@ -171,6 +176,13 @@ def main() -> None:
             ovl(out)
         replay = graph.replay
         lines.append(f"graph replay host ms per call: {stats(replay)}")
+        for turns in (False, True) if args.one_gpu else (False,):
+            per = timed(ovl, 1, other_work, turns, replay)  # paired: no drift between them
+            med = [statistics.median(v) for v in zip(*per, strict=True)]
+            diff = statistics.median(a - b for a, b in per)
+            lines.append(f"after other work{', ranks in turn' if turns else ''}, the call and "
+                         f"the graph's replay alternating: median {med[0]:.3f} and {med[1]:.3f}, "
+                         f"difference per round {diff:.3f}")  # fmt: skip
         lines.append(f"graph nodes: {_node_kinds(graph)}")
     else:  # (and a gloo collective cannot be captured)
         lines.append("the call takes the plain path: no graph (a larger --shape overlaps)")
