@@ -26,10 +26,7 @@ slowest rank's; ``host_ratio_*``: the median over rounds of the library's time o
 torch's in the same round) with the GPU kept ahead: every issue follows a
 ``torch.cuda._sleep`` longer than it takes, the four issues of a round alternate in order,
 and an issue that the GPU caught up with (its event after the sleep done before the issue
-ended) is counted in ``host_issues_caught_up``. On ``--one-gpu`` the ranks issue in turn
-(the others wait at a barrier), as if each had its GPU: two processes launching on one GPU at
-once made a CUDA graph's launch 2-4x dearer than one process alone
-(``graph_launch_shapes_*_s14_h200.json``). ``--profile PATH``: rank 0's cProfile of the
+ended) is counted in ``host_issues_caught_up``. ``--profile PATH``: rank 0's cProfile of the
 library's training step (the backward on the calling thread), own time first.
 
 CPU and ``--one-gpu`` (two ranks time-slicing GPU 0 over gloo) check correctness only: their
@@ -189,11 +186,10 @@ def _nccl_issue_cost():
             setattr(dist, n, f)
 
 
-def host_ms(fns: dict, rounds: int, warmup: int, turns: bool) -> tuple[dict, int]:
+def host_ms(fns: dict, rounds: int, warmup: int) -> tuple[dict, int]:
     """Host milliseconds to issue each of ``fns`` (name -> callable) with the GPU kept ahead,
     per round (the slowest rank's; every round issues each once, in turn, the order reversed
-    every other round; ``turns``: one rank issuing at a time), and in how many issues the GPU
-    caught up with the host (any rank)."""
+    every other round), and in how many issues the GPU caught up with the host (any rank)."""
     ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
     ev[0].record(), torch.cuda._sleep(10_000_000), ev[1].record(), ev[1].synchronize()
     per_ms = 10_000_000 / ev[0].elapsed_time(ev[1])  # sleep cycles per ms
@@ -204,14 +200,10 @@ def host_ms(fns: dict, rounds: int, warmup: int, turns: bool) -> tuple[dict, int
             torch.cuda._sleep(int(ahead * per_ms))
             slept = torch.cuda.Event()
             slept.record()
-            for turn in range(dist.get_world_size()) if turns else [dist.get_rank()]:
-                if turns:
-                    dist.barrier()
-                if turn == dist.get_rank():
-                    t0 = time.perf_counter()
-                    fns[name]()
-                    t = (time.perf_counter() - t0) * 1e3
-                    done = slept.query()
+            t0 = time.perf_counter()
+            fns[name]()
+            t = (time.perf_counter() - t0) * 1e3
+            done = slept.query()
             torch.cuda.synchronize()
             if i >= warmup:  # (a warm-up issue may be slow once: no longer sleeps after it)
                 ahead = min(max(ahead, 3 * t), 500.0)
@@ -304,7 +296,7 @@ def bench(args: argparse.Namespace, dev: torch.device, timing_meaningful: bool) 
                 for mode, model in models.items():
                     fns["prefill", mode] = lambda m=model: _prefill(m, xs)
                     fns["train", mode] = lambda m=model: _step(m, xs, gs)
-                host, caught = host_ms(fns, args.iters, args.warmup, args.one_gpu)
+                host, caught = host_ms(fns, args.iters, args.warmup)
                 for row in rows[-2:]:
                     for what in ("prefill", "train"):
                         mine, plain = host[what, row["mode"]], host[what, "plain"]
