@@ -118,3 +118,29 @@ def test_bench_plot(tmp_path):
         ), done.stderr[-2000:]
     else:
         assert done.returncode == 0 and png.stat().st_size > 0, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("layout", ["nk", "kn"])
+def test_gemm_sweep_floor_kernel(layout, persistent, monkeypatch):
+    """``gemm_sweep``'s floor (``tri`` / ``trip``: a plain Triton matmul) against float64 under
+    the interpreter: ragged edges, 9 tile rows (a group of 8, then one cut short), 3 programs
+    for 27 tiles when persistent. fp16: the interpreter's descriptors mishandle bf16."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import gemm_sweep
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    from overlap.plan import Tiles
+
+    props = type("Props", (), {"multi_processor_count": 3})()
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(272, 80, generator=g).half()
+    weight = torch.randn(72, 80, generator=g).half()  # [N, K]
+    w = weight.t() if layout == "nk" else weight.t().contiguous()
+    launch, y = gemm_sweep._plain(x, w, Tiles(32, 32, 16, 4, 2), persistent)
+    y.fill_(float("nan"))
+    launch()
+    want = x.double() @ w.double()
+    assert ((y.double() - want).norm() / want.norm()).item() < 2e-3
