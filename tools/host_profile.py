@@ -11,10 +11,12 @@ OUT.prof). The GPU sleeps between calls so that the host never waits for it and 
 host's own work is measured: each call alone after a barrier, after other work (a matmul
 and an activation issued just before it, as between a model's layers), the same with the
 ranks taking turns (``--one-gpu``: while one rank issues, the other waits at a barrier, as
-if each had its GPU to itself), and calls back to back in bursts of ``BURST``. Calls repeat their
-arguments, so copy-engine calls replay their recorded graphs (``ops._recorded``);
-``--distinct`` lets the library keep one record (``ops._record.MAX_RECORDS = 1``) and alternates two
-outputs, so every call is issued in full.
+if each had its GPU to itself), and calls back to back in bursts of ``BURST``; then the call
+and its graph's bare replay alternating in the same rounds (their medians drift apart when
+timed minutes apart), after other work, at once and in turn. Calls repeat their arguments,
+so copy-engine calls replay their recorded graphs (``ops/_record.py``); ``--distinct`` lets
+the library keep one record (``ops._record.MAX_RECORDS = 1``) and alternates two outputs, so
+every call is issued in full.
 
 ``--one-gpu``: both ranks on GPU 0 over gloo (a machine with one GPU; the overlapped call
 only). The copy-engine transport then maps the other process's buffer on the same GPU, and
@@ -124,7 +126,7 @@ def main() -> None:
     def other_work():  # what a model issues between two calls: a matmul, an activation
         torch.nn.functional.silu(x[: min(x.shape[0], 1024)] @ w)
 
-    def timed(run, burst: int = 1, before=None, turns: bool = False, *also) -> list[float]:
+    def timed(run, burst: int = 1, before=None, turns: bool = False, *also) -> list:
         """Host ms per call of ``run``, sorted; with ``also``, per round (each run in turn,
         the order reversed every other round) a list of ``run``'s and each of ``also``'s."""
         fns, host = (run, *also), []
