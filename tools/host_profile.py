@@ -126,7 +126,7 @@ def main() -> None:
     def other_work():  # what a model issues between two calls: a matmul, an activation
         torch.nn.functional.silu(x[: min(x.shape[0], 1024)] @ w)
 
-    def timed(run, burst: int = 1, before=None, turns: bool = False, *also) -> list:
+    def timed(run, burst: int = 1, before=None, turns: bool = False, also=()) -> list:
         """Host ms per call of ``run``, sorted; with ``also``, per round (each run in turn,
         the order reversed every other round) a list of ``run``'s and each of ``also``'s."""
         fns, host = (run, *also), []
@@ -179,7 +179,7 @@ def main() -> None:
         replay = graph.replay
         lines.append(f"graph replay host ms per call: {stats(replay)}")
         for turns in (False, True) if args.one_gpu else (False,):
-            per = timed(ovl, 1, other_work, turns, replay)  # paired: no drift between them
+            per = timed(ovl, before=other_work, turns=turns, also=(replay,))  # paired: no drift
             med = [statistics.median(v) for v in zip(*per, strict=True)]
             diff = statistics.median(a - b for a, b in per)
             lines.append(f"after other work{', ranks in turn' if turns else ''}, the call and "
