@@ -6,7 +6,8 @@
   each get the plan a fresh process makes (the cache forgotten), which differs from the first
   call's; and a real call after another of another dtype computes right.
 - The recorded calls' key (``ops._record.signature`` and ``outputs``): every argument, the
-  caller stream, and the inputs' and outputs' addresses, dtypes, shapes and strides, tried
+  caller stream, the weight's address, and the input's and outputs' dtypes, shapes, strides
+  and alignment, but not their addresses (the graph is rebound to them), tried
   here on CPU tensors seen as CUDA ones (only CUDA calls are recorded); the calls themselves
   are tried on a GPU in tests/test_gpu.py (``test_recorded_inputs_move_one_gpu``).
 """
@@ -149,7 +150,7 @@ def test_record_signature_has_every_field(monkeypatch):
         "backend": sig(*args[:3], "torch", args[4]),
         "chunks": sig(*args[:4], 8),
         "extra (keep)": sig(extra=(True,)),
-        "x's address": sig(x=x.clone()),
+        "x's alignment": sig(x=torch.randn(M * K + 1)[1:].view(M, K)),
         "x's strides": sig(x=x_t),
         "x's shape": sig(x=buf.view(M // 2, 2 * K)),
         "w's address": sig(w=w.clone()),
@@ -165,9 +166,11 @@ def test_record_signature_has_every_field(monkeypatch):
         assert key != base, f"{what} is not in the recorded call's signature"
     bf16 = half.view(torch.bfloat16)  # the same address and shape, another dtype
     assert sig(x=half.view(M, K)) != sig(x=bf16.view(M, K)), "x's dtype is not in the signature"
+    assert sig(x=x.clone()) == base, "x's address is in the key: a moved input never replays"
     out = torch.empty(M, N)
+    assert _record.outputs(out.clone()) == _record.outputs(out)  # (rebound: ops/_rebind.py)
     outs = {
-        "address": _record.outputs(out.clone()),
+        "alignment": _record.outputs(torch.empty(M * N + 1)[1:].view(M, N)),
         "strides": _record.outputs(torch.empty(N, M).t()),
         "shape": _record.outputs(out.view(N, M)),
         "dtype": _record.outputs(out.view(torch.int32)),
@@ -190,8 +193,10 @@ def test_record_signature_none_where_not_recorded():
 
 @pytest.mark.parametrize("device", ["cpu"])
 def test_recorded_inputs_move_logic(device):
-    """The GPU test's cases (tests/test_gpu.py ``_recorded_inputs``) on CPU ranks: the calls
-    are not recorded here, but the cases, their layouts and references are checked."""
-    from test_gpu import _recorded_inputs
+    """The GPU tests' cases (tests/test_gpu.py ``_recorded_inputs``, ``_moving``) on CPU
+    ranks: the calls are not recorded here, but the cases, their layouts and references are
+    checked."""
+    from test_gpu import _moving, _recorded_inputs
 
     spawn(_recorded_inputs, 2, random.randrange(1 << 30), device)
+    spawn(_moving, 2, random.randrange(1 << 30), device)

@@ -915,6 +915,56 @@ def _recorded_inputs(rank, R, seed, device="cuda"):
     return failures
 
 
+def _moving(rank, R, seed, device="cuda"):
+    """2 ranks on GPU 0 over gloo (copy engines, host road): dense calls whose input and
+    output are at new addresses at every call (a training step's activations; the weights
+    stay), two shapes in turn, fp32 (the kernel's tf32x3 path, torch's finiteness kernels
+    reading ``x``) and bf16 (``x`` through a TMA descriptor): every call against float64,
+    outputs poisoned with NaN, earlier inputs and outputs kept alive (a graph not pointed at
+    the new ones reads valid, wrong data), and every call from the fourth of a shape on
+    replayed (``ops/_rebind.py``; else the case tests nothing). ``device="cpu"``: the same
+    calls on CPU ranks, not recorded (tests/test_cache_keys.py)."""
+    import overlap
+
+    cuda = device == "cuda"
+    if cuda:
+        torch.cuda.set_device(0)
+    dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    g = torch.Generator().manual_seed(seed)
+    failures, kept, weights = [], [], {}
+    for dtype in (torch.float32, torch.bfloat16) if cuda else (torch.float32,):
+        for i in range(10):
+            op = ("all_reduce", "reduce_scatter")[i % 2]
+            M, K, N = ((1024, 256, 384) if i % 2 else (1024, 384, 512)) if cuda else (32, 24, 16)
+            xs = torch.randn(R, M, K, generator=g).to(dtype)
+            if (dtype, K, N) not in weights:  # a layer's weight stays (its address is in the key)
+                ws = torch.randn(R, K, N, generator=g).to(dtype)
+                weights[dtype, K, N] = ws, ws[rank].to(dev)
+            ws, w = weights[dtype, K, N]
+            x = xs[rank].to(dev)
+            ref = sum(a.double() @ b.double() for a, b in zip(xs, ws, strict=True))
+            if op == "reduce_scatter":
+                ref = ref[rank * M // R : (rank + 1) * M // R]
+            out = torch.full(ref.shape, float("nan"), dtype=dtype, device=dev)
+            before = overlap.stats().get(op, {}).get("replayed via ce", 0)
+            overlap.matmul_collective(x, w, op, out=out, backend="ce" if cuda else "torch",
+                                      chunks=4)  # fmt: skip
+            kept += [x, out]
+            why = mismatch(out, ref.to(dev), TOL[dtype])
+            what = f"{op} {dtype} call {i // 2} at new addresses"
+            failures.extend([f"{what}: {why}"] if why else [])
+            replayed = overlap.stats().get(op, {}).get("replayed via ce", 0) > before
+            if cuda and i >= 6 and not replayed:
+                failures.append(f"{what}: not replayed (its graph was not rebound)")
+    return failures
+
+
+def test_recorded_moving_one_gpu(monkeypatch):
+    """One GPU: recorded dense calls whose input and output move at every call replay their
+    graph pointed at the new tensors, and compute from them."""
+    _on_host_road(monkeypatch, _moving)
+
+
 def test_recorded_inputs_move_one_gpu(monkeypatch):
     """One GPU: a recorded call whose input moves or changes strides computes from it."""
     _on_host_road(monkeypatch, _recorded_inputs)

@@ -208,7 +208,7 @@ def run_after(x, w, name, group, op, out, backend, chunks, label: str) -> torch.
     if sig is not None and sig in shapes:  # a recorded call again: no planning
         if out is None:
             out = torch.empty(shapes[sig][0], dtype=x.dtype, device=x.device)
-        replayed = _record.replay((sig, _record.outputs(out)))  # its transport's name
+        replayed = _record.replay((sig, _record.outputs(out)), _record.bases(x, out))
         if replayed is not None:
             stats.count(label, "replayed via " + replayed)
             return out
@@ -231,7 +231,8 @@ def run_after(x, w, name, group, op, out, backend, chunks, label: str) -> torch.
     else:
         call = functools.partial(overlapped, x2, w, out2, p, scale, ctx, cls)
         key = None if sig is None or x2.data_ptr() != x.data_ptr() else (sig, _record.outputs(out))
-        _record.recorded(call, ctx, cls, capturing=cap, key=key, out_shapes=(shape,))
+        _record.recorded(call, ctx, cls, capturing=cap, key=key, out_shapes=(shape,),
+                         moved=(x, out))  # fmt: skip
     if validating:
         _watch(ctx, cls if p.path == "overlap" else None, p, x, cap)
     return out
@@ -334,7 +335,8 @@ def run_before(x, w, group, out, backend, chunks, keep: bool):
         out_shape, full_shape = shapes[sig]
         out = x.new_empty(out_shape) if out is None else out
         full = x.new_empty(full_shape)
-        replayed = _record.replay((sig, _record.outputs(out, full)))
+        key = (sig, _record.outputs(out, full), _record.bases(x, out, full))  # (not rebound)
+        replayed = _record.replay(key, ())
         if replayed is not None:
             stats.count("all_gather_matmul", "replayed via " + replayed)
             return out, full
@@ -361,7 +363,7 @@ def run_before(x, w, group, out, backend, chunks, keep: bool):
         call = functools.partial(_gathered, x2, w, out, full, p, ctx, cls)
         key = None
         if sig is not None and x2.data_ptr() == x.data_ptr():
-            key = (sig, _record.outputs(out, full))
+            key = (sig, _record.outputs(out, full), _record.bases(x, out, full))
         _record.recorded(call, ctx, cls, capturing=cap, key=key,
                          out_shapes=((M, N), tuple(full.shape)))  # fmt: skip
     if validating:

@@ -1,13 +1,21 @@
 """Recorded calls: a repeated eager call replays a CUDA graph of itself.
 
 An eager call made a second time with the same arguments, inputs and outputs (its
-``signature`` and its ``outputs``, by address, dtype, shape and strides) through a transport
-that declares ``recorded`` (the copy engines) is captured into a CUDA graph, which that call
-and every later one like it replays (``replay``, before any planning: the signature's output
-shapes, ``context.shapes``, make the outputs first): one graph launch instead of the ~25
-driver calls and the kernel launch of an eager call (the GPU work is the same: every call
-zeroes its own counters and flags). Only the first sighting runs eagerly, so calls whose
-addresses never repeat pay no capture.
+``signature`` and its ``outputs``: dtypes, shapes, strides, 16-byte alignment, the weight's
+address) through a transport that declares ``recorded`` (the copy engines) is captured into a
+CUDA graph, which that call and every later one like it replays (``replay``, before any
+planning: the signature's output shapes, ``context.shapes``, make the outputs first): one
+graph launch instead of the ~25 driver calls and the kernel launch of an eager call (the GPU
+work is the same: every call zeroes its own counters and flags). Only the first sighting runs
+eagerly, so calls that never repeat pay no capture.
+
+The input's and the outputs' addresses are not in the key of a dense call: its graph is
+pointed at the tensors of the call that replays it (``_rebind``: one driver call per node
+that holds them, where a call whose addresses changed replays). A graph that cannot be
+rebound, and the all-gather's (cuBLAS kernels, whose parameters ``_rebind`` cannot read
+for certain), replay only for the addresses they were captured with: the all-gather keeps
+them in its key, and a dense record that ``_rebind.bind`` refused starts over as a first
+sighting when they change.
 
 The graphs of one transport (one group on one device) share a memory pool, its
 ``graph_pool``: a call's temporaries (counters, slots) die with it, so graphs captured later
@@ -29,6 +37,7 @@ from .. import guard
 from ..comm import Transport
 from ..context import Context, records, shapes
 from ..signal import current_raw_stream
+from . import _rebind
 
 # CUDA graphs of eager calls kept (all streams, least recently used out). A training step cycles
 # through every overlapped call site (a 32-layer model: 128 or more): with 64 kept, a step of
@@ -40,43 +49,70 @@ MAX_RECORDS = 512
 
 class Record(NamedTuple):
     """A recorded eager call: its context and transport class, the generation of the
-    transport's buffers it was recorded with, and its CUDA graph (None: seen once)."""
+    transport's buffers it was recorded with, its CUDA graph (None: seen once), the
+    addresses of the tensors its graph now reads and writes that the key leaves out, and
+    where the graph holds them (None: it replays for those addresses only)."""
 
     ctx: Context
     cls: type[Transport]
     generation: int
     graph: torch.cuda.CUDAGraph | None
+    bases: tuple[int, ...]
+    binding: _rebind.Binding | None = None
 
 
 def signature(name, group, op, backend, chunks, x, w, *extra) -> tuple | None:
-    """What an eager call's plan and recorded graph depend on besides its outputs: its
-    arguments, the caller stream and the inputs' addresses, dtypes, shapes and strides; None
-    where calls are not recorded (CPU, validation mode)."""
+    """What an eager call's plan and recorded graph depend on besides its outputs and the
+    input's address: its arguments, the caller stream, the input's dtype, shape, strides and
+    16-byte alignment (the kernel's TMA loads), the weight's address, dtype, shape and
+    strides; None where calls are not recorded (CPU, validation mode)."""
     if not x.is_cuda or guard.validating():
         return None
     return (name, group, op, backend, chunks, *extra, x.device, current_raw_stream(x.device),
-            x.data_ptr(), x.dtype, x.shape, x.stride(), w.data_ptr(), w.dtype, w.shape,
+            x.data_ptr() % 16, x.dtype, x.shape, x.stride(), w.data_ptr(), w.dtype, w.shape,
             w.stride())  # fmt: skip
 
 
 def outputs(*tensors: torch.Tensor) -> tuple:
-    """The outputs' part of a record's key: addresses, dtypes, shapes, strides."""
-    return tuple((t.data_ptr(), t.dtype, t.shape, t.stride()) for t in tensors)
+    """The outputs' part of a record's key: dtypes, shapes, strides, 16-byte alignment."""
+    return tuple((t.data_ptr() % 16, t.dtype, t.shape, t.stride()) for t in tensors)
 
 
-def replay(key: tuple) -> str | None:
-    """Replay the recorded graph of the call ``key`` (a signature and its outputs); returns
-    its transport's name, or None where there is none, or its transport has new buffers or
-    is broken."""
+def bases(*tensors: torch.Tensor) -> tuple[int, ...]:
+    """The tensors' addresses (what ``signature`` and ``outputs`` leave out)."""
+    return tuple(t.data_ptr() for t in tensors)
+
+
+def replay(key: tuple, at: tuple[int, ...]) -> str | None:
+    """Replay the recorded graph of the call ``key`` (a signature and its outputs) for the
+    tensors at ``at`` (``bases`` of the moved tensors ``recorded`` was given); returns its
+    transport's name, or None where there is none, its transport has new buffers or is
+    broken, or the graph cannot be pointed at ``at``."""
     rec = records.get(key)
     if rec is None or rec.graph is None:
         return None
     t = rec.ctx.transport(rec.cls)  # this stream after the last one of another stream
     if t.broken or t.generation != rec.generation:
         return None
+    if rec.bases != at and (rec := _point(key, rec, at)) is None:
+        return None
     records.move_to_end(key)
     rec.graph.replay()
     return t.name
+
+
+def _point(key: tuple, rec: Record, at: tuple[int, ...]) -> Record | None:
+    """``rec`` rebound to the tensors at ``at``; None where it has no binding, or where the
+    driver refused (the record is dropped: some of its nodes may point elsewhere now)."""
+    if rec.binding is None:
+        return None
+    try:
+        rec.binding.rebind(at)
+    except _rebind.DriverError:
+        del records[key]
+        return None
+    rec = records[key] = rec._replace(bases=at)
+    return rec
 
 
 def recorded(
@@ -87,10 +123,13 @@ def recorded(
     capturing: bool,
     key: tuple | None,
     out_shapes: tuple,
+    moved: tuple[torch.Tensor, ...] = (),
 ) -> None:
     """``call(capturing)`` issues an overlapped call through a transport of ``cls`` on the
     current stream; recorded and replayed as the module docstring says where ``key`` (the
-    call's ``signature`` and ``outputs``) is not None and ``cls`` declares ``recorded``."""
+    call's ``signature`` and ``outputs``) is not None and ``cls`` declares ``recorded``.
+    ``moved``: the tensors whose addresses the key leaves out (the graph is rebound to
+    them)."""
     if key is None or not cls.recorded:
         call(capturing)
         return
@@ -101,16 +140,19 @@ def recorded(
     if len(shapes) >= 4 * MAX_RECORDS:
         shapes.clear()
     shapes[key[0]] = out_shapes  # (also after a clear: the next call replays before planning)
+    at = bases(*moved)
     rec = records.get(key)
+    if rec is not None and rec.graph is not None and rec.bases != at:
+        rec = _point(key, rec, at)  # (None: a first sighting for these addresses)
     if rec is None or rec.generation != t.generation:  # first sighting (with these buffers)
-        if len(records) >= MAX_RECORDS:
+        if len(records) >= MAX_RECORDS and key not in records:
             records.popitem(last=False)
-        records[key] = Record(ctx, cls, t.generation, None)
+        records[key] = Record(ctx, cls, t.generation, None, at)
         call(False)
         return
     records.move_to_end(key)
     if rec.graph is None:
-        graph = torch.cuda.CUDAGraph()
+        graph = torch.cuda.CUDAGraph(keep_graph=bool(moved))
         if ctx.record_stream is None:
             ctx.record_stream = torch.cuda.Stream(ctx.device)
         with torch.cuda.stream(ctx.record_stream):
@@ -121,5 +163,9 @@ def recorded(
                 call(True)
             finally:
                 graph.capture_end()
-        rec = records[key] = rec._replace(graph=graph)
+        binding = None
+        if moved:
+            graph.instantiate()
+            binding = _rebind.bind(graph, moved)
+        rec = records[key] = rec._replace(graph=graph, bases=at, binding=binding)
     rec.graph.replay()
