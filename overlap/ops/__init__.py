@@ -6,7 +6,8 @@
 - ``exchange.py``: the uneven exchanges (the all-to-all with split sizes, the MoE combine
   ``grouped_matmul_all_to_all`` and dispatch ``all_to_all_grouped_matmul``);
 - ``bags.py``: ``embedding_bag_all_to_all``;
-- ``_record.py``: recorded calls (a repeated eager call replays a CUDA graph);
+- ``_record.py``: recorded calls (a repeated eager call replays a CUDA graph), and
+  ``_rebind.py``: such a graph pointed at the tensors of the call that replays it;
 - ``_autograd.py``: each differentiable op as a custom op (``torch.compile``) and as an
   ``autograd.Function`` over the same body (eager autograd, less host time).
 
