@@ -1,7 +1,8 @@
 """``ops/_rebind.py`` on CPU: reading a tensor map's base address back (the map encoded by a
 stand-in for ``cuTensorMapReplaceAddress``, whose layout is the driver's secret) and the
-extent of a strided tensor. Binding a real graph needs a GPU: tests/test_gpu.py
-(``test_recorded_inputs_move_one_gpu``: inputs and outputs at new addresses every call)."""
+memory span of a strided tensor (``_checks.span``). Binding a real graph needs a GPU:
+tests/test_gpu.py (``test_recorded_moving_one_gpu``: inputs and outputs at new addresses
+every call)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from overlap.ops import _rebind
+from overlap.ops._checks import span
 
 
 def _encoder(shift: int, spread: bool = False):
@@ -54,11 +56,12 @@ CASES = [((6, 4), (4, 1)), ((6, 4), (1, 6)), ((3, 5, 2), (20, 2, 1)), ((4, 0), (
 
 
 @pytest.mark.parametrize("shape, strides", CASES)
-def test_extent(shape, strides):
+def test_span(shape, strides):
     """Bytes from a tensor's first element to one past its last, against its offsets."""
     buf = torch.zeros(200, dtype=torch.float16)
     t = buf.as_strided(shape, strides)
     every = torch.cartesian_prod(*[torch.arange(n) for n in shape]).view(-1, len(shape))
     offsets = [sum(i * s for i, s in zip(idx, strides, strict=True)) for idx in every.tolist()]
     want = 0 if t.numel() == 0 else (max(offsets) + 1) * 2
-    assert _rebind.extent(t) == want
+    start, end = span(t)
+    assert start == t.data_ptr() and end - start == want

@@ -90,15 +90,19 @@ def check_out(out, shape: tuple[int, ...], x: torch.Tensor, *inputs: torch.Tenso
             raise ValueError("out must not share memory with the inputs (x, w)")
 
 
+def span(t: torch.Tensor) -> tuple[int, int]:
+    """``t``'s memory: the address of its first element and one past its last byte (an empty
+    tensor spans nothing)."""
+    if t.numel() == 0:
+        return t.data_ptr(), t.data_ptr()
+    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
+    return t.data_ptr(), t.data_ptr() + t.element_size() * (1 + last)
+
+
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether the memory spans of ``a`` and ``b`` intersect (conservative for strides)."""
     if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
         return False
-
-    def span(t: torch.Tensor) -> tuple[int, int]:
-        last = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
-        return t.data_ptr(), t.data_ptr() + t.element_size() * (1 + last)
-
     (a0, a1), (b0, b1) = span(a), span(b)
     return a0 < b1 and b0 < a1
 

@@ -42,6 +42,8 @@ from ctypes import POINTER, byref, c_int, c_size_t, c_uint, c_uint64, c_void_p
 
 import torch
 
+from ._checks import span
+
 _KERNEL, _MEMCPY, _MEMSET, _EMPTY, _WAIT_EVENT, _EVENT_RECORD, _MEM_OP = 0, 1, 2, 5, 6, 7, 12
 _HARMLESS = {_EMPTY, _WAIT_EVENT, _EVENT_RECORD, _MEM_OP}  # hold no tensor's address here
 _DEVICE, _UNIFIED = 2, 4  # CUmemorytype: where a memcpy's address is a device address
@@ -188,14 +190,6 @@ class _Copy:
               byref(self.mc), c_void_p(self.ctx))  # fmt: skip
 
 
-def extent(t: torch.Tensor) -> int:
-    """Bytes from ``t``'s first element to one past its last (0 for an empty tensor)."""
-    if t.numel() == 0:
-        return 0
-    return (sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True)) + 1) * \
-        t.element_size()  # fmt: skip
-
-
 class Binding:
     """Where a graph holds the moved tensors' addresses (``bind``)."""
 
@@ -221,7 +215,7 @@ def bind(graph: torch.cuda.CUDAGraph, moved: tuple[torch.Tensor, ...]) -> Bindin
 
 def _bind(graph: torch.cuda.CUDAGraph, moved: tuple[torch.Tensor, ...]) -> Binding | None:
     bases = tuple(t.data_ptr() for t in moved)
-    spans = [(b, b + extent(t)) for b, t in zip(bases, moved, strict=True)]
+    spans = [span(t) for t in moved]
 
     def where(address: int) -> tuple[int, int] | None:  # (tensor, offset) of an address
         for i, (lo, hi) in enumerate(spans):
