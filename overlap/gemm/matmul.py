@@ -71,16 +71,65 @@ def _load_ab(
 
 
 @triton.jit
+def _wait_flag(flag, PTX: tl.constexpr):
+    """Wait until the int32 at ``flag`` is not 0 (acquire, system scope: a peer's copy
+    engine sets it). ``PTX``: the spin as one inline-PTX loop, so that it adds no loop to
+    the kernel's control flow (the interpreter takes the Python loop)."""
+    if PTX:
+        tl.inline_asm_elementwise(
+            """{
+            .reg .pred %p;
+            .reg .b32 %v;
+            spin_${:uid}:
+            ld.acquire.sys.global.b32 %v, [$1];
+            setp.eq.b32 %p, %v, 0;
+            @%p bra spin_${:uid};
+            mov.b32 $0, %v;
+            }""",
+            "=r,l", [flag], dtype=tl.int32, is_pure=False, pack=1,
+        )  # fmt: skip
+    else:
+        while tl.atomic_add(flag, 0, sem="acquire", scope="sys") == 0:
+            pass
+
+
+@triton.jit
+def _finish(
+    acc, c0, prow0, orow, offs_i, valid_rows, out_ptr, recv_ref, rank, M, N,
+    EPILOGUE: tl.constexpr, WORLD: tl.constexpr, P_DESC: tl.constexpr, WIDTH: tl.constexpr,
+):  # fmt: skip
+    """Columns ``c0 ..`` (``WIDTH``) of an own tile: the peers' partials added (``EPI_ADD``,
+    flags already waited for), then stored into ``out`` at rows ``orow``."""
+    offs_c = c0 + tl.arange(0, WIDTH)
+    mask = (offs_i[:, None] < valid_rows) & (offs_c[None, :] < N)
+    if EPILOGUE == EPI_ADD:
+        block_rows = M // WORLD
+        # the peers without a branch: a branch's merge of `acc` made ptxas serialize the wgmma
+        # pipeline of the flattened loop (warning C7515)
+        for j in tl.static_range(1, WORLD):
+            s = (rank + j) % WORLD
+            if P_DESC:  # TMA: rows past the block are read, never stored
+                part = recv_ref.load([s * block_rows + prow0, c0])
+            else:
+                brow = tl.cast(s * block_rows + prow0 + offs_i, tl.int64)
+                part = tl.load(recv_ref + brow[:, None] * N + offs_c[None, :], mask=mask,
+                               other=0.0)  # fmt: skip
+            acc += part.to(tl.float32)
+    tl.store(out_ptr + orow[:, None] * N + offs_c[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=mask)  # fmt: skip
+
+
+@triton.jit
 def _tile(
     pid, x_ref, w_ref, slots_ptr, counter_ptr, trace_ptr, bad_rows_ptr, bad_cols_ptr,
-    out_ptr, recv_ref, flags_ptr, rank, world, first_band, bands_per_block, out_row0,
+    out_ptr, recv_ref, flags_ptr, rank, first_band, bands_per_block, out_row0,
     M, N, K, stride_xm, stride_xk, stride_wk, stride_wn,
     num_pid_m, tiles_per_band, run_rows_full, run_rows_last, n_bands, chunk_cols, scale,
     RUNS: tl.constexpr, X_DESC: tl.constexpr, W_MODE: tl.constexpr, P_DESC: tl.constexpr,
-    ROTATE: tl.constexpr, EPILOGUE: tl.constexpr, HAS_SCALE: tl.constexpr,
-    PRECISION: tl.constexpr, TRACE: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    HALVES: tl.constexpr, ASM_BARRIER: tl.constexpr,
+    ROTATE: tl.constexpr, EPILOGUE: tl.constexpr, WORLD: tl.constexpr,
+    HAS_SCALE: tl.constexpr, PRECISION: tl.constexpr, TRACE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, HALVES: tl.constexpr, PTX: tl.constexpr,
 ):  # fmt: skip
     """Tile ``pid`` (launch order): its product to its slot, or for this rank's own block
     with an epilogue (``EPILOGUE`` not ``EPI_SLOTS``) into ``out``; then its chunk's count.
@@ -162,28 +211,25 @@ def _tile(
         own = band_a // bands_per_block == rank
     if own:
         # This rank's block (computed last): add the peers' partials of this tile, pushed
-        # into `recv` ([world, M / world, N], slot s from rank s) by their copy engines, once
+        # into `recv` ([WORLD, M / WORLD, N], slot s from rank s) by their copy engines, once
         # each peer's flag for this band is set (1; the transport zeroes it before the next
-        # call); store into `out` directly.
-        block_rows = M // world
-        brow = tl.cast(x_row0 - rank * block_rows + offs_i, tl.int64)  # rows in the block
+        # call); store into `out` directly. Loop-free (peers unrolled, the spin in PTX) so
+        # that a flattened tile loop stays one loop that Triton pipelines.
+        prow0 = x_row0 - rank * (M // WORLD)  # the tile's first row in the block
         if EPILOGUE == EPI_ADD:
-            k = band_a % bands_per_block
-            block_elems = tl.cast(block_rows, tl.int64) * N
-            for s in range(0, world):
-                if s != rank:
-                    flag = flags_ptr + s * bands_per_block + k  # FlagLayout.kernel_index
-                    while tl.atomic_add(flag, 0, sem="acquire", scope="sys") == 0:
-                        pass
-                    if P_DESC:  # TMA: rows past the block are read, never stored
-                        part = recv_ref.load([s * block_rows + x_row0 - rank * block_rows, n0])
-                    else:
-                        ptrs = recv_ref + s * block_elems + brow[:, None] * N + offs_n[None, :]
-                        part = tl.load(ptrs, mask=mask, other=0.0)
-                    acc += part.to(tl.float32)
+            for j in tl.static_range(1, WORLD):  # the peers, without a branch
+                s = (rank + j) % WORLD  # FlagLayout.kernel_index:
+                _wait_flag(flags_ptr + s * bands_per_block + band_a % bands_per_block, PTX)
         orow = (x_row0 - out_row0 + offs_i).to(tl.int64)
-        out_offs = orow[:, None] * N + offs_n[None, :]
-        tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        if HALVES:  # as the slots' store below; the partials too
+            h0, h1 = tl.split(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)).permute(0, 2, 1))
+            _finish(h0, n0, prow0, orow, offs_i, valid_rows, out_ptr, recv_ref, rank, M, N,
+                    EPILOGUE, WORLD, P_DESC, BLOCK_N // 2)  # fmt: skip
+            _finish(h1, n0 + BLOCK_N // 2, prow0, orow, offs_i, valid_rows, out_ptr, recv_ref,
+                    rank, M, N, EPILOGUE, WORLD, P_DESC, BLOCK_N // 2)  # fmt: skip
+        else:
+            _finish(acc, n0, prow0, orow, offs_i, valid_rows, out_ptr, recv_ref, rank, M, N,
+                    EPILOGUE, WORLD, P_DESC, BLOCK_N)  # fmt: skip
     else:
         # Slot of chunk (a, b): band_rows x band_cols row-major at row0 * N + col0 * band_rows.
         slot = row0.to(tl.int64) * N + col0 * band_rows
@@ -203,7 +249,7 @@ def _tile(
             tl.store(slots_ptr + offs, acc.to(slots_ptr.dtype.element_ty), mask=mask)
     # Every thread's stores are issued before the one release atomic that counts the tile.
     chunk = launch_a * tl.cdiv(N, chunk_cols) + band_b
-    if ASM_BARRIER:
+    if PTX:
         # PTX bar.sync: tl.debug_barrier() inside a flattened tile loop stops Triton 3.6
         # from pipelining it (one load buffer, 3.3x slower; gemm_s6_barrier.json).
         chunk = tl.inline_asm_elementwise(
@@ -222,50 +268,39 @@ def _tile(
 @triton.jit
 def _chunked_matmul_kernel(
     x_ref, w_ref, slots_ptr, counter_ptr, trace_ptr, bad_rows_ptr, bad_cols_ptr,
-    out_ptr, recv_ref, flags_ptr, rank, world, first_band, bands_per_block, out_row0,
+    out_ptr, recv_ref, flags_ptr, rank, first_band, bands_per_block, out_row0,
     M, N, K, stride_xm, stride_xk, stride_wk, stride_wn,
     num_pid_m, tiles_per_band, run_rows_full, run_rows_last, n_bands, chunk_cols, scale,
-    own_start, n_tiles,
+    n_tiles,
     RUNS: tl.constexpr, X_DESC: tl.constexpr, W_MODE: tl.constexpr, P_DESC: tl.constexpr,
-    EPILOGUE: tl.constexpr, HAS_SCALE: tl.constexpr, PRECISION: tl.constexpr,
-    TRACE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, PERSISTENT: tl.constexpr, ASM_BARRIER: tl.constexpr,
+    EPILOGUE: tl.constexpr, WORLD: tl.constexpr, HAS_SCALE: tl.constexpr,
+    PRECISION: tl.constexpr, TRACE: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PERSISTENT: tl.constexpr, PTX: tl.constexpr,
 ):  # fmt: skip
     # Tile ids are the launch order, so chunks finish in order. One program per tile, or
     # (PERSISTENT, the copy engines' road: no SM is needed by the communication) one program
-    # per SM taking every num_programs-th tile: the peers' tiles (ids below own_start) in a
-    # flattened loop, whose next tile's loads overlap this one's epilogue, then this rank's
-    # own block, whose fused epilogue (flag waits, partials) stays out of the flattened loop.
+    # per SM taking every num_programs-th tile in one flattened loop: the next tile's loads
+    # overlap this one's epilogue, this rank's own tiles' (the last ones) included.
     if PERSISTENT:
-        p0, step = tl.program_id(axis=0), tl.num_programs(axis=0)
-        for pid in tl.range(p0, own_start, step, flatten=True):
+        for pid in tl.range(tl.program_id(axis=0), n_tiles, tl.num_programs(axis=0),
+                            flatten=True):  # fmt: skip
             _tile(
                 pid, x_ref, w_ref, slots_ptr, counter_ptr, trace_ptr, bad_rows_ptr, bad_cols_ptr,
-                out_ptr, recv_ref, flags_ptr, rank, world, first_band, bands_per_block,
-                out_row0, M, N, K, stride_xm, stride_xk, stride_wk, stride_wn, num_pid_m,
+                out_ptr, recv_ref, flags_ptr, rank, first_band, bands_per_block, out_row0,
+                M, N, K, stride_xm, stride_xk, stride_wk, stride_wn, num_pid_m,
                 tiles_per_band, run_rows_full, run_rows_last, n_bands, chunk_cols, scale,
-                RUNS, X_DESC, W_MODE, P_DESC, True, EPI_SLOTS, HAS_SCALE, PRECISION, TRACE,
-                BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, True, ASM_BARRIER,
-            )  # fmt: skip
-        # the same round robin goes on past own_start
-        first = p0 + tl.cdiv(tl.maximum(own_start - p0, 0), step) * step
-        for pid in tl.range(first, n_tiles, step):
-            _tile(
-                pid, x_ref, w_ref, slots_ptr, counter_ptr, trace_ptr, bad_rows_ptr, bad_cols_ptr,
-                out_ptr, recv_ref, flags_ptr, rank, world, first_band, bands_per_block,
-                out_row0, M, N, K, stride_xm, stride_xk, stride_wk, stride_wn, num_pid_m,
-                tiles_per_band, run_rows_full, run_rows_last, n_bands, chunk_cols, scale,
-                RUNS, X_DESC, W_MODE, P_DESC, True, EPILOGUE, HAS_SCALE, PRECISION, TRACE,
-                BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, True, ASM_BARRIER,
+                RUNS, X_DESC, W_MODE, P_DESC, True, EPILOGUE, WORLD, HAS_SCALE, PRECISION,
+                TRACE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, True, PTX,
             )  # fmt: skip
     else:
         _tile(
             tl.program_id(axis=0), x_ref, w_ref, slots_ptr, counter_ptr, trace_ptr,
-            bad_rows_ptr, bad_cols_ptr, out_ptr, recv_ref, flags_ptr, rank, world, first_band,
+            bad_rows_ptr, bad_cols_ptr, out_ptr, recv_ref, flags_ptr, rank, first_band,
             bands_per_block, out_row0, M, N, K, stride_xm, stride_xk, stride_wk, stride_wn,
             num_pid_m, tiles_per_band, run_rows_full, run_rows_last, n_bands, chunk_cols, scale,
-            RUNS, X_DESC, W_MODE, P_DESC, EPILOGUE != EPI_SLOTS, EPILOGUE, HAS_SCALE,
-            PRECISION, TRACE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, False, ASM_BARRIER,
+            RUNS, X_DESC, W_MODE, P_DESC, EPILOGUE != EPI_SLOTS, EPILOGUE, WORLD, HAS_SCALE,
+            PRECISION, TRACE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, False, PTX,
         )  # fmt: skip
 
 
@@ -345,7 +380,7 @@ def chunked_matmul(
     # Persistent programs on the copy engines' road only (module docstring). The tf32x3
     # tiles' second K loop stays out of the flattened loop.
     persistent = epilogue is not None and not tf32x3
-    e_args = (counters, counters, counters, 0, R, 0, 1, 0)  # unused
+    e_args = (counters, counters, counters, 0, 0, 1, 0)  # unused
     if epilogue is not None:
         if not plan.blocked:
             raise ValueError("an epilogue needs a blocked plan (make_plan(blocked=True))")
@@ -353,10 +388,10 @@ def chunked_matmul(
         mode = EPI_ADD.value if plan.spec.reduces else EPI_STORE.value
         recv = epilogue.recv.view(-1, N)  # [R * M / R, N]
         p_desc = mode == EPI_ADD.value and _tma_ok(recv)
-        if p_desc:  # the peers' partials through TMA
-            recv = _descriptor(recv, [t.block_m, t.block_n])
+        if p_desc:  # the peers' partials through TMA (in halves, as the tile, when persistent)
+            recv = _descriptor(recv, [t.block_m, t.block_n // (2 if persistent else 1)])
         out_row0 = epilogue.rank * (M // R) if plan.spec.scatters else 0
-        e_args = (epilogue.out, recv, epilogue.flags, epilogue.rank, R,
+        e_args = (epilogue.out, recv, epilogue.flags, epilogue.rank,
                   first_band(epilogue.rank, R, b), b, out_row0)  # fmt: skip
     args = (
         x_ref, w_ref, slots, counters, trace if trace is not None else counters,
@@ -364,13 +399,13 @@ def chunked_matmul(
         M, N, K, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
         plan.num_tile_rows, plan.band_tile_rows(0), plan.run_rows, plan.run_rows_last,
         plan.n_row_bands, plan.chunk_cols, 1.0 if scale is None else scale,
-        n_tiles - n_tiles // R if persistent else n_tiles, n_tiles,
+        n_tiles,
     )  # fmt: skip
     consts = dict(
         RUNS=plan.runs, X_DESC=x_ref is not x, W_MODE=w_mode, P_DESC=p_desc, EPILOGUE=mode,
-        HAS_SCALE=scale is not None, PRECISION="tf32x3" if tf32x3 else "tf32",
+        WORLD=R if epilogue is not None else 1, HAS_SCALE=scale is not None, PRECISION="tf32x3" if tf32x3 else "tf32",
         TRACE=trace is not None, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
-        GROUP_M=plan.group_m, PERSISTENT=persistent, ASM_BARRIER=persistent and not interpret,
+        GROUP_M=plan.group_m, PERSISTENT=persistent, PTX=persistent and not interpret,
     )  # fmt: skip
     if not persistent:
         return _launch(n_tiles, args, consts, t.num_warps, t.num_stages)
