@@ -95,37 +95,35 @@ def _wait_flag(flag, PTX: tl.constexpr):
 
 @triton.jit
 def _finish(
-    acc, c0, prow0, orow, offs_i, valid_rows, out_ptr, recv_ref, rank, M, N,
-    EPILOGUE: tl.constexpr, WORLD: tl.constexpr, P_DESC: tl.constexpr, WIDTH: tl.constexpr,
+    acc, c0, base, rows, shift, offs_i, valid_rows, peer_rows, recv_ptr, prow0, rank, M, N,
+    EPILOGUE: tl.constexpr, WORLD: tl.constexpr, WIDTH: tl.constexpr,
 ):  # fmt: skip
-    """Columns ``c0 ..`` (``WIDTH``) of an own tile: the peers' partials added (``EPI_ADD``,
-    flags already waited for), then stored into ``out`` at rows ``orow``."""
+    """Columns ``c0 ..`` (``WIDTH``) of a tile: the peers' partials of its first
+    ``peer_rows`` rows added (``EPI_ADD``; 0 rows but in an own tile), then stored at
+    ``base + rows[i] + c - shift``."""
     offs_c = c0 + tl.arange(0, WIDTH)
     mask = (offs_i[:, None] < valid_rows) & (offs_c[None, :] < N)
     if EPILOGUE == EPI_ADD:
         block_rows = M // WORLD
-        # the peers without a branch: a branch's merge of `acc` made ptxas serialize the wgmma
-        # pipeline of the flattened loop (warning C7515)
+        load = (offs_i[:, None] < peer_rows) & (offs_c[None, :] < N)
         for j in tl.static_range(1, WORLD):
-            s = (rank + j) % WORLD
-            if P_DESC:  # TMA: rows past the block are read, never stored
-                part = recv_ref.load([s * block_rows + prow0, c0])
-            else:
-                brow = tl.cast(s * block_rows + prow0 + offs_i, tl.int64)
-                part = tl.load(recv_ref + brow[:, None] * N + offs_c[None, :], mask=mask,
-                               other=0.0)  # fmt: skip
+            prow = tl.cast((rank + j) % WORLD * block_rows + prow0 + offs_i, tl.int64)
+            part = tl.load(recv_ptr + prow[:, None] * N + offs_c[None, :], mask=load, other=0.0)
             acc += part.to(tl.float32)
-    tl.store(out_ptr + orow[:, None] * N + offs_c[None, :], acc.to(out_ptr.dtype.element_ty),
+            # The next peer's load waits for this sum (NaN skips it: the sum stays NaN): issued
+            # all at once, R - 1 half tiles spilled registers from R = 4 on (ptxas).
+            load = load & (acc == acc)
+    tl.store(base + rows[:, None] + (offs_c - shift)[None, :], acc.to(base.dtype.element_ty),
              mask=mask)  # fmt: skip
 
 
 @triton.jit
 def _tile(
     pid, x_ref, w_ref, slots_ptr, counter_ptr, trace_ptr, bad_rows_ptr, bad_cols_ptr,
-    out_ptr, recv_ref, flags_ptr, rank, first_band, bands_per_block, out_row0,
+    out_ptr, recv_ptr, flags_ptr, rank, first_band, bands_per_block, out_row0,
     M, N, K, stride_xm, stride_xk, stride_wk, stride_wn,
     num_pid_m, tiles_per_band, run_rows_full, run_rows_last, n_bands, chunk_cols, scale,
-    RUNS: tl.constexpr, X_DESC: tl.constexpr, W_MODE: tl.constexpr, P_DESC: tl.constexpr,
+    RUNS: tl.constexpr, X_DESC: tl.constexpr, W_MODE: tl.constexpr,
     ROTATE: tl.constexpr, EPILOGUE: tl.constexpr, WORLD: tl.constexpr,
     HAS_SCALE: tl.constexpr, PRECISION: tl.constexpr, TRACE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -204,49 +202,40 @@ def _tile(
     if HAS_SCALE:
         acc = acc * scale
     offs_i = tl.arange(0, BLOCK_M)
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    mask = (offs_i[:, None] < valid_rows) & (offs_n[None, :] < N)
+    # Where the tile goes, as a base, an offset per row and a column shift: its chunk's slot
+    # (band_rows x band_cols row-major at row0 * N + col0 * band_rows), or, for this rank's
+    # own block with an epilogue (computed last), `out` directly, after adding the peers'
+    # partials of this tile, which their copy engines pushed into `recv` ([WORLD, M / WORLD,
+    # N], slot s from rank s), once each peer's flag for this band is set (1; the transport
+    # zeroes it before the next call). One store path for both, chosen by `tl.where`: a
+    # branch between two epilogues that read `acc` made ptxas serialize the flattened loop's
+    # wgmma pipeline (warning C7515; 1.41x the time of the kernel without it, one H200).
+    base = slots_ptr
+    rows = (row0.to(tl.int64) * N + col0 * band_rows
+            + (slot_row0 - row0 + offs_i).to(tl.int64) * band_cols)  # fmt: skip
+    shift = col0
     own = False
     if EPILOGUE != EPI_SLOTS:
         own = band_a // bands_per_block == rank
-    if own:
-        # This rank's block (computed last): add the peers' partials of this tile, pushed
-        # into `recv` ([WORLD, M / WORLD, N], slot s from rank s) by their copy engines, once
-        # each peer's flag for this band is set (1; the transport zeroes it before the next
-        # call); store into `out` directly. Loop-free (peers unrolled, the spin in PTX) so
-        # that a flattened tile loop stays one loop that Triton pipelines.
-        prow0 = x_row0 - rank * (M // WORLD)  # the tile's first row in the block
+        base = tl.where(own, out_ptr, slots_ptr)
+        rows = tl.where(own, (x_row0 - out_row0 + offs_i).to(tl.int64) * N, rows)
+        shift = tl.where(own, 0, col0)
         if EPILOGUE == EPI_ADD:
-            for j in tl.static_range(1, WORLD):  # the peers, without a branch
-                s = (rank + j) % WORLD  # FlagLayout.kernel_index:
-                _wait_flag(flags_ptr + s * bands_per_block + band_a % bands_per_block, PTX)
-        orow = (x_row0 - out_row0 + offs_i).to(tl.int64)
-        if HALVES:  # as the slots' store below; the partials too
-            h0, h1 = tl.split(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)).permute(0, 2, 1))
-            _finish(h0, n0, prow0, orow, offs_i, valid_rows, out_ptr, recv_ref, rank, M, N,
-                    EPILOGUE, WORLD, P_DESC, BLOCK_N // 2)  # fmt: skip
-            _finish(h1, n0 + BLOCK_N // 2, prow0, orow, offs_i, valid_rows, out_ptr, recv_ref,
-                    rank, M, N, EPILOGUE, WORLD, P_DESC, BLOCK_N // 2)  # fmt: skip
-        else:
-            _finish(acc, n0, prow0, orow, offs_i, valid_rows, out_ptr, recv_ref, rank, M, N,
-                    EPILOGUE, WORLD, P_DESC, BLOCK_N)  # fmt: skip
+            if own:
+                for j in tl.static_range(1, WORLD):  # FlagLayout.kernel_index
+                    s = (rank + j) % WORLD
+                    _wait_flag(flags_ptr + s * bands_per_block + band_a % bands_per_block, PTX)
+    prow0 = x_row0 - rank * (M // WORLD)  # an own tile's first row in the block
+    peer_rows = tl.where(own, valid_rows, 0)  # (a scalar `own` in a mask: the interpreter fails)
+    if HALVES:  # in two halves: half the shared memory that stages the store
+        h0, h1 = tl.split(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)).permute(0, 2, 1))
+        _finish(h0, n0, base, rows, shift, offs_i, valid_rows, peer_rows, recv_ptr, prow0, rank, M, N,
+                EPILOGUE, WORLD, BLOCK_N // 2)  # fmt: skip
+        _finish(h1, n0 + BLOCK_N // 2, base, rows, shift, offs_i, valid_rows, peer_rows, recv_ptr,
+                prow0, rank, M, N, EPILOGUE, WORLD, BLOCK_N // 2)  # fmt: skip
     else:
-        # Slot of chunk (a, b): band_rows x band_cols row-major at row0 * N + col0 * band_rows.
-        slot = row0.to(tl.int64) * N + col0 * band_rows
-        rows = (slot_row0 - row0 + offs_i).to(tl.int64)
-        if HALVES:  # stored in two halves: half the shared memory that stages the store
-            h0, h1 = tl.split(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)).permute(0, 2, 1))
-            offs_h = n0 + tl.arange(0, BLOCK_N // 2)
-            mask_h = (offs_i[:, None] < valid_rows) & (offs_h[None, :] < N)
-            offs = slot + rows[:, None] * band_cols + (offs_h - col0)[None, :]
-            tl.store(slots_ptr + offs, h0.to(slots_ptr.dtype.element_ty), mask=mask_h)
-            offs_h += BLOCK_N // 2
-            mask_h = (offs_i[:, None] < valid_rows) & (offs_h[None, :] < N)
-            offs = slot + rows[:, None] * band_cols + (offs_h - col0)[None, :]
-            tl.store(slots_ptr + offs, h1.to(slots_ptr.dtype.element_ty), mask=mask_h)
-        else:
-            offs = slot + rows[:, None] * band_cols + (offs_n - col0)[None, :]
-            tl.store(slots_ptr + offs, acc.to(slots_ptr.dtype.element_ty), mask=mask)
+        _finish(acc, n0, base, rows, shift, offs_i, valid_rows, peer_rows, recv_ptr, prow0, rank, M, N,
+                EPILOGUE, WORLD, BLOCK_N)  # fmt: skip
     # Every thread's stores are issued before the one release atomic that counts the tile.
     chunk = launch_a * tl.cdiv(N, chunk_cols) + band_b
     if PTX:
@@ -268,11 +257,11 @@ def _tile(
 @triton.jit
 def _chunked_matmul_kernel(
     x_ref, w_ref, slots_ptr, counter_ptr, trace_ptr, bad_rows_ptr, bad_cols_ptr,
-    out_ptr, recv_ref, flags_ptr, rank, first_band, bands_per_block, out_row0,
+    out_ptr, recv_ptr, flags_ptr, rank, first_band, bands_per_block, out_row0,
     M, N, K, stride_xm, stride_xk, stride_wk, stride_wn,
     num_pid_m, tiles_per_band, run_rows_full, run_rows_last, n_bands, chunk_cols, scale,
     n_tiles,
-    RUNS: tl.constexpr, X_DESC: tl.constexpr, W_MODE: tl.constexpr, P_DESC: tl.constexpr,
+    RUNS: tl.constexpr, X_DESC: tl.constexpr, W_MODE: tl.constexpr,
     EPILOGUE: tl.constexpr, WORLD: tl.constexpr, HAS_SCALE: tl.constexpr,
     PRECISION: tl.constexpr, TRACE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -287,19 +276,19 @@ def _chunked_matmul_kernel(
                             flatten=True):  # fmt: skip
             _tile(
                 pid, x_ref, w_ref, slots_ptr, counter_ptr, trace_ptr, bad_rows_ptr, bad_cols_ptr,
-                out_ptr, recv_ref, flags_ptr, rank, first_band, bands_per_block, out_row0,
+                out_ptr, recv_ptr, flags_ptr, rank, first_band, bands_per_block, out_row0,
                 M, N, K, stride_xm, stride_xk, stride_wk, stride_wn, num_pid_m,
                 tiles_per_band, run_rows_full, run_rows_last, n_bands, chunk_cols, scale,
-                RUNS, X_DESC, W_MODE, P_DESC, True, EPILOGUE, WORLD, HAS_SCALE, PRECISION,
+                RUNS, X_DESC, W_MODE, True, EPILOGUE, WORLD, HAS_SCALE, PRECISION,
                 TRACE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, True, PTX,
             )  # fmt: skip
     else:
         _tile(
             tl.program_id(axis=0), x_ref, w_ref, slots_ptr, counter_ptr, trace_ptr,
-            bad_rows_ptr, bad_cols_ptr, out_ptr, recv_ref, flags_ptr, rank, first_band,
+            bad_rows_ptr, bad_cols_ptr, out_ptr, recv_ptr, flags_ptr, rank, first_band,
             bands_per_block, out_row0, M, N, K, stride_xm, stride_xk, stride_wk, stride_wn,
             num_pid_m, tiles_per_band, run_rows_full, run_rows_last, n_bands, chunk_cols, scale,
-            RUNS, X_DESC, W_MODE, P_DESC, EPILOGUE != EPI_SLOTS, EPILOGUE, WORLD, HAS_SCALE,
+            RUNS, X_DESC, W_MODE, EPILOGUE != EPI_SLOTS, EPILOGUE, WORLD, HAS_SCALE,
             PRECISION, TRACE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, False, PTX,
         )  # fmt: skip
 
@@ -375,7 +364,7 @@ def chunked_matmul(
         w_ref, w_mode = _descriptor(w, [t.block_k, t.block_n]), W_KN.value
     n_tiles = plan.num_tile_rows * -(-N // t.block_n)  # triton.cdiv costs ~5 us on the host
     R = plan.world_size
-    mode, p_desc = EPI_SLOTS.value, False
+    mode = EPI_SLOTS.value
     interpret = knobs.runtime.interpret
     # Persistent programs on the copy engines' road only (module docstring). The tf32x3
     # tiles' second K loop stays out of the flattened loop.
@@ -387,9 +376,6 @@ def chunked_matmul(
         b = plan.bands_per_block
         mode = EPI_ADD.value if plan.spec.reduces else EPI_STORE.value
         recv = epilogue.recv.view(-1, N)  # [R * M / R, N]
-        p_desc = mode == EPI_ADD.value and _tma_ok(recv)
-        if p_desc:  # the peers' partials through TMA (in halves, as the tile, when persistent)
-            recv = _descriptor(recv, [t.block_m, t.block_n // (2 if persistent else 1)])
         out_row0 = epilogue.rank * (M // R) if plan.spec.scatters else 0
         e_args = (epilogue.out, recv, epilogue.flags, epilogue.rank,
                   first_band(epilogue.rank, R, b), b, out_row0)  # fmt: skip
@@ -402,7 +388,7 @@ def chunked_matmul(
         n_tiles,
     )  # fmt: skip
     consts = dict(
-        RUNS=plan.runs, X_DESC=x_ref is not x, W_MODE=w_mode, P_DESC=p_desc, EPILOGUE=mode,
+        RUNS=plan.runs, X_DESC=x_ref is not x, W_MODE=w_mode, EPILOGUE=mode,
         WORLD=R if epilogue is not None else 1, HAS_SCALE=scale is not None, PRECISION="tf32x3" if tf32x3 else "tf32",
         TRACE=trace is not None, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
         GROUP_M=plan.group_m, PERSISTENT=persistent, PTX=persistent and not interpret,
