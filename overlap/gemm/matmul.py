@@ -71,63 +71,16 @@ def _load_ab(
 
 
 @triton.jit
-def _wait_flag(flag, PTX: tl.constexpr):
-    """Wait until the int32 at ``flag`` is not 0 (acquire, system scope: a peer's copy
-    engine sets it). ``PTX``: the spin as one inline-PTX loop, so that it adds no loop to
-    the kernel's control flow (the interpreter takes the Python loop)."""
-    if PTX:
-        tl.inline_asm_elementwise(
-            """{
-            .reg .pred %p;
-            .reg .b32 %v;
-            spin_${:uid}:
-            ld.acquire.sys.global.b32 %v, [$1];
-            setp.eq.b32 %p, %v, 0;
-            @%p bra spin_${:uid};
-            mov.b32 $0, %v;
-            }""",
-            "=r,l", [flag], dtype=tl.int32, is_pure=False, pack=1,
-        )  # fmt: skip
-    else:
-        while tl.atomic_add(flag, 0, sem="acquire", scope="sys") == 0:
-            pass
-
-
-@triton.jit
-def _finish(
-    acc, c0, base, rows, shift, offs_i, valid_rows, peer_rows, recv_ptr, prow0, rank, M, N,
-    EPILOGUE: tl.constexpr, WORLD: tl.constexpr, WIDTH: tl.constexpr,
-):  # fmt: skip
-    """Columns ``c0 ..`` (``WIDTH``) of a tile: the peers' partials of its first
-    ``peer_rows`` rows added (``EPI_ADD``; 0 rows but in an own tile), then stored at
-    ``base + rows[i] + c - shift``."""
-    offs_c = c0 + tl.arange(0, WIDTH)
-    mask = (offs_i[:, None] < valid_rows) & (offs_c[None, :] < N)
-    if EPILOGUE == EPI_ADD:
-        block_rows = M // WORLD
-        load = (offs_i[:, None] < peer_rows) & (offs_c[None, :] < N)
-        for j in tl.static_range(1, WORLD):
-            prow = tl.cast((rank + j) % WORLD * block_rows + prow0 + offs_i, tl.int64)
-            part = tl.load(recv_ptr + prow[:, None] * N + offs_c[None, :], mask=load, other=0.0)
-            acc += part.to(tl.float32)
-            # The next peer's load waits for this sum (NaN skips it: the sum stays NaN): issued
-            # all at once, R - 1 half tiles spilled registers from R = 4 on (ptxas).
-            load = load & (acc == acc)
-    tl.store(base + rows[:, None] + (offs_c - shift)[None, :], acc.to(base.dtype.element_ty),
-             mask=mask)  # fmt: skip
-
-
-@triton.jit
 def _tile(
     pid, x_ref, w_ref, slots_ptr, counter_ptr, trace_ptr, bad_rows_ptr, bad_cols_ptr,
-    out_ptr, recv_ptr, flags_ptr, rank, first_band, bands_per_block, out_row0,
+    out_ptr, recv_ref, flags_ptr, rank, world, first_band, bands_per_block, out_row0,
     M, N, K, stride_xm, stride_xk, stride_wk, stride_wn,
     num_pid_m, tiles_per_band, run_rows_full, run_rows_last, n_bands, chunk_cols, scale,
-    RUNS: tl.constexpr, X_DESC: tl.constexpr, W_MODE: tl.constexpr,
-    ROTATE: tl.constexpr, EPILOGUE: tl.constexpr, WORLD: tl.constexpr,
-    HAS_SCALE: tl.constexpr, PRECISION: tl.constexpr, TRACE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, HALVES: tl.constexpr, PTX: tl.constexpr,
+    RUNS: tl.constexpr, X_DESC: tl.constexpr, W_MODE: tl.constexpr, P_DESC: tl.constexpr,
+    ROTATE: tl.constexpr, EPILOGUE: tl.constexpr, HAS_SCALE: tl.constexpr,
+    PRECISION: tl.constexpr, TRACE: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    HALVES: tl.constexpr, ASM_BARRIER: tl.constexpr,
 ):  # fmt: skip
     """Tile ``pid`` (launch order): its product to its slot, or for this rank's own block
     with an epilogue (``EPILOGUE`` not ``EPI_SLOTS``) into ``out``; then its chunk's count.
@@ -202,43 +155,55 @@ def _tile(
     if HAS_SCALE:
         acc = acc * scale
     offs_i = tl.arange(0, BLOCK_M)
-    # Where the tile goes, as a base, an offset per row and a column shift: its chunk's slot
-    # (band_rows x band_cols row-major at row0 * N + col0 * band_rows), or, for this rank's
-    # own block with an epilogue (computed last), `out` directly, after adding the peers'
-    # partials of this tile, which their copy engines pushed into `recv` ([WORLD, M / WORLD,
-    # N], slot s from rank s), once each peer's flag for this band is set (1; the transport
-    # zeroes it before the next call). One store path for both, chosen by `tl.where`: a
-    # branch between two epilogues that read `acc` made ptxas serialize the flattened loop's
-    # wgmma pipeline (warning C7515; 1.41x the time of the kernel without it, one H200).
-    base = slots_ptr
-    rows = (row0.to(tl.int64) * N + col0 * band_rows
-            + (slot_row0 - row0 + offs_i).to(tl.int64) * band_cols)  # fmt: skip
-    shift = col0
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    mask = (offs_i[:, None] < valid_rows) & (offs_n[None, :] < N)
     own = False
     if EPILOGUE != EPI_SLOTS:
         own = band_a // bands_per_block == rank
-        base = tl.where(own, out_ptr, slots_ptr)
-        rows = tl.where(own, (x_row0 - out_row0 + offs_i).to(tl.int64) * N, rows)
-        shift = tl.where(own, 0, col0)
+    if own:
+        # This rank's block (computed last): add the peers' partials of this tile, pushed
+        # into `recv` ([world, M / world, N], slot s from rank s) by their copy engines, once
+        # each peer's flag for this band is set (1; the transport zeroes it before the next
+        # call); store into `out` directly.
+        block_rows = M // world
+        brow = tl.cast(x_row0 - rank * block_rows + offs_i, tl.int64)  # rows in the block
         if EPILOGUE == EPI_ADD:
-            if own:
-                for j in tl.static_range(1, WORLD):  # FlagLayout.kernel_index
-                    s = (rank + j) % WORLD
-                    _wait_flag(flags_ptr + s * bands_per_block + band_a % bands_per_block, PTX)
-    prow0 = x_row0 - rank * (M // WORLD)  # an own tile's first row in the block
-    peer_rows = tl.where(own, valid_rows, 0)  # (a scalar `own` in a mask: the interpreter fails)
-    if HALVES:  # in two halves: half the shared memory that stages the store
-        h0, h1 = tl.split(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)).permute(0, 2, 1))
-        _finish(h0, n0, base, rows, shift, offs_i, valid_rows, peer_rows, recv_ptr, prow0, rank, M, N,
-                EPILOGUE, WORLD, BLOCK_N // 2)  # fmt: skip
-        _finish(h1, n0 + BLOCK_N // 2, base, rows, shift, offs_i, valid_rows, peer_rows, recv_ptr,
-                prow0, rank, M, N, EPILOGUE, WORLD, BLOCK_N // 2)  # fmt: skip
+            k = band_a % bands_per_block
+            block_elems = tl.cast(block_rows, tl.int64) * N
+            for s in range(0, world):
+                if s != rank:
+                    flag = flags_ptr + s * bands_per_block + k  # FlagLayout.kernel_index
+                    while tl.atomic_add(flag, 0, sem="acquire", scope="sys") == 0:
+                        pass
+                    if P_DESC:  # TMA: rows past the block are read, never stored
+                        part = recv_ref.load([s * block_rows + x_row0 - rank * block_rows, n0])
+                    else:
+                        ptrs = recv_ref + s * block_elems + brow[:, None] * N + offs_n[None, :]
+                        part = tl.load(ptrs, mask=mask, other=0.0)
+                    acc += part.to(tl.float32)
+        orow = (x_row0 - out_row0 + offs_i).to(tl.int64)
+        out_offs = orow[:, None] * N + offs_n[None, :]
+        tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
     else:
-        _finish(acc, n0, base, rows, shift, offs_i, valid_rows, peer_rows, recv_ptr, prow0, rank, M, N,
-                EPILOGUE, WORLD, BLOCK_N)  # fmt: skip
+        # Slot of chunk (a, b): band_rows x band_cols row-major at row0 * N + col0 * band_rows.
+        slot = row0.to(tl.int64) * N + col0 * band_rows
+        rows = (slot_row0 - row0 + offs_i).to(tl.int64)
+        if HALVES:  # stored in two halves: half the shared memory that stages the store
+            h0, h1 = tl.split(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)).permute(0, 2, 1))
+            offs_h = n0 + tl.arange(0, BLOCK_N // 2)
+            mask_h = (offs_i[:, None] < valid_rows) & (offs_h[None, :] < N)
+            offs = slot + rows[:, None] * band_cols + (offs_h - col0)[None, :]
+            tl.store(slots_ptr + offs, h0.to(slots_ptr.dtype.element_ty), mask=mask_h)
+            offs_h += BLOCK_N // 2
+            mask_h = (offs_i[:, None] < valid_rows) & (offs_h[None, :] < N)
+            offs = slot + rows[:, None] * band_cols + (offs_h - col0)[None, :]
+            tl.store(slots_ptr + offs, h1.to(slots_ptr.dtype.element_ty), mask=mask_h)
+        else:
+            offs = slot + rows[:, None] * band_cols + (offs_n - col0)[None, :]
+            tl.store(slots_ptr + offs, acc.to(slots_ptr.dtype.element_ty), mask=mask)
     # Every thread's stores are issued before the one release atomic that counts the tile.
     chunk = launch_a * tl.cdiv(N, chunk_cols) + band_b
-    if PTX:
+    if ASM_BARRIER:
         # PTX bar.sync: tl.debug_barrier() inside a flattened tile loop stops Triton 3.6
         # from pipelining it (one load buffer, 3.3x slower; gemm_s6_barrier.json).
         chunk = tl.inline_asm_elementwise(
@@ -257,39 +222,50 @@ def _tile(
 @triton.jit
 def _chunked_matmul_kernel(
     x_ref, w_ref, slots_ptr, counter_ptr, trace_ptr, bad_rows_ptr, bad_cols_ptr,
-    out_ptr, recv_ptr, flags_ptr, rank, first_band, bands_per_block, out_row0,
+    out_ptr, recv_ref, flags_ptr, rank, world, first_band, bands_per_block, out_row0,
     M, N, K, stride_xm, stride_xk, stride_wk, stride_wn,
     num_pid_m, tiles_per_band, run_rows_full, run_rows_last, n_bands, chunk_cols, scale,
-    n_tiles,
-    RUNS: tl.constexpr, X_DESC: tl.constexpr, W_MODE: tl.constexpr,
-    EPILOGUE: tl.constexpr, WORLD: tl.constexpr, HAS_SCALE: tl.constexpr,
-    PRECISION: tl.constexpr, TRACE: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    PERSISTENT: tl.constexpr, PTX: tl.constexpr,
+    own_start, n_tiles,
+    RUNS: tl.constexpr, X_DESC: tl.constexpr, W_MODE: tl.constexpr, P_DESC: tl.constexpr,
+    EPILOGUE: tl.constexpr, HAS_SCALE: tl.constexpr, PRECISION: tl.constexpr,
+    TRACE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, PERSISTENT: tl.constexpr, ASM_BARRIER: tl.constexpr,
 ):  # fmt: skip
     # Tile ids are the launch order, so chunks finish in order. One program per tile, or
     # (PERSISTENT, the copy engines' road: no SM is needed by the communication) one program
-    # per SM taking every num_programs-th tile in one flattened loop: the next tile's loads
-    # overlap this one's epilogue, this rank's own tiles' (the last ones) included.
+    # per SM taking every num_programs-th tile: the peers' tiles (ids below own_start) in a
+    # flattened loop, whose next tile's loads overlap this one's epilogue, then this rank's
+    # own block, whose fused epilogue (flag waits, partials) stays out of the flattened loop.
     if PERSISTENT:
-        for pid in tl.range(tl.program_id(axis=0), n_tiles, tl.num_programs(axis=0),
-                            flatten=True):  # fmt: skip
+        p0, step = tl.program_id(axis=0), tl.num_programs(axis=0)
+        for pid in tl.range(p0, own_start, step, flatten=True):
             _tile(
                 pid, x_ref, w_ref, slots_ptr, counter_ptr, trace_ptr, bad_rows_ptr, bad_cols_ptr,
-                out_ptr, recv_ptr, flags_ptr, rank, first_band, bands_per_block, out_row0,
-                M, N, K, stride_xm, stride_xk, stride_wk, stride_wn, num_pid_m,
+                out_ptr, recv_ref, flags_ptr, rank, world, first_band, bands_per_block,
+                out_row0, M, N, K, stride_xm, stride_xk, stride_wk, stride_wn, num_pid_m,
                 tiles_per_band, run_rows_full, run_rows_last, n_bands, chunk_cols, scale,
-                RUNS, X_DESC, W_MODE, True, EPILOGUE, WORLD, HAS_SCALE, PRECISION,
-                TRACE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, True, PTX,
+                RUNS, X_DESC, W_MODE, P_DESC, True, EPI_SLOTS, HAS_SCALE, PRECISION, TRACE,
+                BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, True, ASM_BARRIER,
+            )  # fmt: skip
+        # the same round robin goes on past own_start
+        first = p0 + tl.cdiv(tl.maximum(own_start - p0, 0), step) * step
+        for pid in tl.range(first, n_tiles, step):
+            _tile(
+                pid, x_ref, w_ref, slots_ptr, counter_ptr, trace_ptr, bad_rows_ptr, bad_cols_ptr,
+                out_ptr, recv_ref, flags_ptr, rank, world, first_band, bands_per_block,
+                out_row0, M, N, K, stride_xm, stride_xk, stride_wk, stride_wn, num_pid_m,
+                tiles_per_band, run_rows_full, run_rows_last, n_bands, chunk_cols, scale,
+                RUNS, X_DESC, W_MODE, P_DESC, True, EPILOGUE, HAS_SCALE, PRECISION, TRACE,
+                BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, True, ASM_BARRIER,
             )  # fmt: skip
     else:
         _tile(
             tl.program_id(axis=0), x_ref, w_ref, slots_ptr, counter_ptr, trace_ptr,
-            bad_rows_ptr, bad_cols_ptr, out_ptr, recv_ptr, flags_ptr, rank, first_band,
+            bad_rows_ptr, bad_cols_ptr, out_ptr, recv_ref, flags_ptr, rank, world, first_band,
             bands_per_block, out_row0, M, N, K, stride_xm, stride_xk, stride_wk, stride_wn,
             num_pid_m, tiles_per_band, run_rows_full, run_rows_last, n_bands, chunk_cols, scale,
-            RUNS, X_DESC, W_MODE, EPILOGUE != EPI_SLOTS, EPILOGUE, WORLD, HAS_SCALE,
-            PRECISION, TRACE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, False, PTX,
+            RUNS, X_DESC, W_MODE, P_DESC, EPILOGUE != EPI_SLOTS, EPILOGUE, HAS_SCALE,
+            PRECISION, TRACE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, False, ASM_BARRIER,
         )  # fmt: skip
 
 
@@ -364,20 +340,23 @@ def chunked_matmul(
         w_ref, w_mode = _descriptor(w, [t.block_k, t.block_n]), W_KN.value
     n_tiles = plan.num_tile_rows * -(-N // t.block_n)  # triton.cdiv costs ~5 us on the host
     R = plan.world_size
-    mode = EPI_SLOTS.value
+    mode, p_desc = EPI_SLOTS.value, False
     interpret = knobs.runtime.interpret
     # Persistent programs on the copy engines' road only (module docstring). The tf32x3
     # tiles' second K loop stays out of the flattened loop.
     persistent = epilogue is not None and not tf32x3
-    e_args = (counters, counters, counters, 0, 0, 1, 0)  # unused
+    e_args = (counters, counters, counters, 0, R, 0, 1, 0)  # unused
     if epilogue is not None:
         if not plan.blocked:
             raise ValueError("an epilogue needs a blocked plan (make_plan(blocked=True))")
         b = plan.bands_per_block
         mode = EPI_ADD.value if plan.spec.reduces else EPI_STORE.value
         recv = epilogue.recv.view(-1, N)  # [R * M / R, N]
+        p_desc = mode == EPI_ADD.value and _tma_ok(recv)
+        if p_desc:  # the peers' partials through TMA
+            recv = _descriptor(recv, [t.block_m, t.block_n])
         out_row0 = epilogue.rank * (M // R) if plan.spec.scatters else 0
-        e_args = (epilogue.out, recv, epilogue.flags, epilogue.rank,
+        e_args = (epilogue.out, recv, epilogue.flags, epilogue.rank, R,
                   first_band(epilogue.rank, R, b), b, out_row0)  # fmt: skip
     args = (
         x_ref, w_ref, slots, counters, trace if trace is not None else counters,
@@ -385,13 +364,13 @@ def chunked_matmul(
         M, N, K, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
         plan.num_tile_rows, plan.band_tile_rows(0), plan.run_rows, plan.run_rows_last,
         plan.n_row_bands, plan.chunk_cols, 1.0 if scale is None else scale,
-        n_tiles,
+        n_tiles - n_tiles // R if persistent else n_tiles, n_tiles,
     )  # fmt: skip
     consts = dict(
-        RUNS=plan.runs, X_DESC=x_ref is not x, W_MODE=w_mode, EPILOGUE=mode,
-        WORLD=R if epilogue is not None else 1, HAS_SCALE=scale is not None, PRECISION="tf32x3" if tf32x3 else "tf32",
+        RUNS=plan.runs, X_DESC=x_ref is not x, W_MODE=w_mode, P_DESC=p_desc, EPILOGUE=mode,
+        HAS_SCALE=scale is not None, PRECISION="tf32x3" if tf32x3 else "tf32",
         TRACE=trace is not None, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
-        GROUP_M=plan.group_m, PERSISTENT=persistent, PTX=persistent and not interpret,
+        GROUP_M=plan.group_m, PERSISTENT=persistent, ASM_BARRIER=persistent and not interpret,
     )  # fmt: skip
     if not persistent:
         return _launch(n_tiles, args, consts, t.num_warps, t.num_stages)
