@@ -80,7 +80,7 @@ def _tile(
     ROTATE: tl.constexpr, EPILOGUE: tl.constexpr, HAS_SCALE: tl.constexpr,
     PRECISION: tl.constexpr, TRACE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    HALVES: tl.constexpr, ASM_BARRIER: tl.constexpr, EARLY: tl.constexpr,
+    HALVES: tl.constexpr, ASM_BARRIER: tl.constexpr,
 ):  # fmt: skip
     """Tile ``pid`` (launch order): its product to its slot, or for this rank's own block
     with an epilogue (``EPILOGUE`` not ``EPI_SLOTS``) into ``out``; then its chunk's count.
@@ -127,17 +127,6 @@ def _tile(
     if W_MODE == W_POINTER:
         w_ptrs += offs_k[:, None] * stride_wk + offs_wn.to(tl.int64)[None, :] * stride_wn
 
-    if EARLY:  # an own tile of two ranks: the peer's partial loaded before the K loop
-        block_rows = M // world
-        flag = flags_ptr + (1 - rank) * bands_per_block + band_a % bands_per_block
-        while tl.atomic_add(flag, 0, sem="acquire", scope="sys") == 0:
-            pass
-        brow = tl.cast((1 - rank) * block_rows + x_row0 - rank * block_rows
-                       + tl.arange(0, BLOCK_M), tl.int64)  # fmt: skip
-        offs_e = n0 + tl.arange(0, BLOCK_N)
-        early = tl.load(recv_ref + brow[:, None] * N + offs_e[None, :],
-                        mask=(tl.arange(0, BLOCK_M)[:, None] < valid_rows)
-                        & (offs_e[None, :] < N), other=0.0)  # fmt: skip
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         a, b = _load_ab(
@@ -178,9 +167,7 @@ def _tile(
         # call); store into `out` directly.
         block_rows = M // world
         brow = tl.cast(x_row0 - rank * block_rows + offs_i, tl.int64)  # rows in the block
-        if EARLY:
-            acc += early.to(tl.float32)
-        elif EPILOGUE == EPI_ADD:
+        if EPILOGUE == EPI_ADD:
             k = band_a % bands_per_block
             block_elems = tl.cast(block_rows, tl.int64) * N
             for s in range(0, world):
@@ -243,7 +230,6 @@ def _chunked_matmul_kernel(
     EPILOGUE: tl.constexpr, HAS_SCALE: tl.constexpr, PRECISION: tl.constexpr,
     TRACE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, PERSISTENT: tl.constexpr, ASM_BARRIER: tl.constexpr,
-    EARLY: tl.constexpr,
 ):  # fmt: skip
     # Tile ids are the launch order, so chunks finish in order. One program per tile, or
     # (PERSISTENT, the copy engines' road: no SM is needed by the communication) one program
@@ -259,7 +245,7 @@ def _chunked_matmul_kernel(
                 out_row0, M, N, K, stride_xm, stride_xk, stride_wk, stride_wn, num_pid_m,
                 tiles_per_band, run_rows_full, run_rows_last, n_bands, chunk_cols, scale,
                 RUNS, X_DESC, W_MODE, P_DESC, True, EPI_SLOTS, HAS_SCALE, PRECISION, TRACE,
-                BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, True, ASM_BARRIER, False,
+                BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, True, ASM_BARRIER,
             )  # fmt: skip
         # the same round robin goes on past own_start
         first = p0 + tl.cdiv(tl.maximum(own_start - p0, 0), step) * step
@@ -270,7 +256,7 @@ def _chunked_matmul_kernel(
                 out_row0, M, N, K, stride_xm, stride_xk, stride_wk, stride_wn, num_pid_m,
                 tiles_per_band, run_rows_full, run_rows_last, n_bands, chunk_cols, scale,
                 RUNS, X_DESC, W_MODE, P_DESC, True, EPILOGUE, HAS_SCALE, PRECISION, TRACE,
-                BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, True, ASM_BARRIER, EARLY,
+                BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, True, ASM_BARRIER,
             )  # fmt: skip
     else:
         _tile(
@@ -279,7 +265,7 @@ def _chunked_matmul_kernel(
             bands_per_block, out_row0, M, N, K, stride_xm, stride_xk, stride_wk, stride_wn,
             num_pid_m, tiles_per_band, run_rows_full, run_rows_last, n_bands, chunk_cols, scale,
             RUNS, X_DESC, W_MODE, P_DESC, EPILOGUE != EPI_SLOTS, EPILOGUE, HAS_SCALE,
-            PRECISION, TRACE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, False, ASM_BARRIER, False,
+            PRECISION, TRACE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, False, ASM_BARRIER,
         )  # fmt: skip
 
 
@@ -354,7 +340,7 @@ def chunked_matmul(
         w_ref, w_mode = _descriptor(w, [t.block_k, t.block_n]), W_KN.value
     n_tiles = plan.num_tile_rows * -(-N // t.block_n)  # triton.cdiv costs ~5 us on the host
     R = plan.world_size
-    mode, p_desc, early = EPI_SLOTS.value, False, False
+    mode, p_desc = EPI_SLOTS.value, False
     interpret = knobs.runtime.interpret
     # Persistent programs on the copy engines' road only (module docstring). The tf32x3
     # tiles' second K loop stays out of the flattened loop.
@@ -366,8 +352,7 @@ def chunked_matmul(
         b = plan.bands_per_block
         mode = EPI_ADD.value if plan.spec.reduces else EPI_STORE.value
         recv = epilogue.recv.view(-1, N)  # [R * M / R, N]
-        early = persistent and mode == EPI_ADD.value and R == 2
-        p_desc = mode == EPI_ADD.value and _tma_ok(recv) and not early
+        p_desc = mode == EPI_ADD.value and _tma_ok(recv)
         if p_desc:  # the peers' partials through TMA
             recv = _descriptor(recv, [t.block_m, t.block_n])
         out_row0 = epilogue.rank * (M // R) if plan.spec.scatters else 0
@@ -386,7 +371,6 @@ def chunked_matmul(
         HAS_SCALE=scale is not None, PRECISION="tf32x3" if tf32x3 else "tf32",
         TRACE=trace is not None, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
         GROUP_M=plan.group_m, PERSISTENT=persistent, ASM_BARRIER=persistent and not interpret,
-        EARLY=early,
     )  # fmt: skip
     if not persistent:
         return _launch(n_tiles, args, consts, t.num_warps, t.num_stages)
