@@ -37,8 +37,8 @@ from overlap.contract import Epilogue
 from overlap.plan import make_plan
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-_TY = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
-       torch.int8: "i8"}  # fmt: skip
+KINDS = ("ar", "ce")
+_TY = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.int32: "i32"}
 
 
 def _signature(kernel, args: tuple, consts: dict) -> tuple[dict, dict, dict]:
@@ -67,12 +67,11 @@ def report(mm, kind: str, M: int, N: int, K: int, R: int, dtype: torch.dtype) ->
     """Compile module ``mm``'s kernel for one call of ``kind`` and return the compiler's facts."""
     x, w = torch.randn(M, K).to(dtype), torch.randn(N, K).to(dtype).t()
     blocked = kind == "ce"
-    p = None
-    for chunks in (None, R):  # (products under 2e11 FLOP: the plan that chunks=R forces)
-        if p is None or p.path != "overlap":
-            p = make_plan(M, N, K, world_size=R, collective="all_reduce", chunks=chunks,
-                          dtype_bits=dtype.itemsize * 8, num_sms=132, blocked=blocked,
-                          transport="ce" if blocked else "torch")  # fmt: skip
+    kw = dict(world_size=R, collective="all_reduce", dtype_bits=dtype.itemsize * 8, num_sms=132,
+              blocked=blocked, transport="ce" if blocked else "torch")  # fmt: skip
+    p = make_plan(M, N, K, **kw)
+    if p.path != "overlap":  # a product under 2e11 FLOP: the plan that chunks=R forces
+        p = make_plan(M, N, K, chunks=R, **kw)
     epi = None
     if blocked:
         flags = torch.ones(R * p.bands_per_block, dtype=torch.int32)
@@ -124,11 +123,21 @@ def main(argv: list[str] | None = None) -> None:
         default="4096x8192x4096,16384x8192x1024",
         help="MxNxK,... (under 2e11 FLOP: the plan that chunks=R forces)",
     )
-    ap.add_argument("--worlds", default="2,4,8")
-    ap.add_argument("--kinds", default="ar,ce")
+    ap.add_argument("--worlds", default="2,4,8", help="world sizes of ce (ar: 2)")
+    ap.add_argument("--kinds", default="ar,ce", help="of " + ",".join(KINDS))
     ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     ap.add_argument("--matmul", help="another matmul.py (imports from overlap.)")
     a = ap.parse_args(argv)
+    try:
+        shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
+        worlds = [int(r) for r in a.worlds.split(",")]
+    except ValueError:
+        ap.error("--shapes takes MxNxK,... and --worlds R,... (integers)")
+    if any(len(s) != 3 for s in shapes):
+        ap.error(f"--shapes takes MxNxK,...: got {a.shapes}")
+    kinds = a.kinds.split(",")
+    if not set(kinds) <= set(KINDS):
+        ap.error(f"--kinds takes {','.join(KINDS)}: got {a.kinds}")
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         sys.exit("tools/kernel_report.py compiles for the GPU: run it without TRITON_INTERPRET=1")
     mm = overlap.gemm.matmul
@@ -138,10 +147,9 @@ def main(argv: list[str] | None = None) -> None:
         spec.loader.exec_module(mm)
     print(f"{'kind':>4} {'MxNxK':>18} {'R':>2} {'stages':>6} {'regs':>4} {'spilled':>7} "
           f"{'shared':>7}  ptxas warnings")  # fmt: skip
-    for shape in a.shapes.split(","):
-        M, N, K = (int(v) for v in shape.split("x"))
-        for kind in a.kinds.split(","):
-            for R in [int(r) for r in a.worlds.split(",")] if kind == "ce" else [2]:
+    for M, N, K in shapes:
+        for kind in kinds:
+            for R in worlds if kind == "ce" else [2]:
                 r = report(mm, kind, M, N, K, R, DTYPES[a.dtype])
                 warn = "; ".join(f"{c}: {t}" for c, t in r["warnings"]) or "-"
                 print(f"{kind:>4} {r['shape']:>18} {R:>2} {r['stages']:>6} {r['registers']:>4} "
