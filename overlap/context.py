@@ -32,7 +32,7 @@ import torch.distributed as dist
 from . import comm
 from .comm import Transport, kept
 from .guard import group_name
-from .plan import MAX_CHUNKS, Plan
+from .plan import MAX_CHUNKS
 from .signal import current_raw_stream
 
 MAX_CONTEXTS = 256
@@ -93,22 +93,20 @@ class Context:
 _contexts: dict[tuple, Context] = {}  # (group, device, caller stream handle) -> Context
 _users: dict[Transport, Context] = {}  # sized transport -> the context that used it last
 _tuned: dict[tuple, int | str] = {}  # (group name, M, N, K, dtype, collective) -> overlap.tune's
-# Plans of eager calls by signature (ops/_engine.py): a plan depends on the signature, the road
-# and the tuned choices, so it is forgotten when either changes.
-plans: dict[tuple, Plan] = {}
+# What an eager call's arguments were decided to run (ops/_engine.py ``Known``), by the call's
+# signature (ops/_record.py): kept once a call passed the checks and was planned, forgotten when
+# the road, the tuned choices or the transports' buffers change.
+calls: dict[tuple, object] = {}
 # Recorded eager calls (ops/_record.py), least recent first: (call signature, outputs) ->
-# Record; and each recorded signature's output shapes, so that a repeated call
-# can make its outputs and find its record without planning. Forgotten with the plans (the
-# graphs hold the transports' addresses).
+# Record. Forgotten with the calls (the graphs hold the transports' addresses).
 records: OrderedDict[tuple, object] = OrderedDict()
-shapes: dict[tuple, tuple] = {}
 
 
 def forget() -> None:
-    """Forget the plans and recorded calls (the road, the tuned choices or the buffers change)."""
-    plans.clear()
+    """Forget the decided and recorded calls (the road, the tuned choices or the buffers
+    change)."""
+    calls.clear()
     records.clear()
-    shapes.clear()
 
 
 def tuned_key(group, M: int, N: int, K: int, dtype: torch.dtype, collective: str) -> tuple:

@@ -1,8 +1,9 @@
 """Cache keys: every field that changes a call's result is in its key.
 
-- The plan cache (``context.plans``, keyed in ``ops._engine.decide``): on 2 gloo ranks, calls
-  that differ from a first one in one field only (dtype, M, K, N, chunks, backend,
-  collective, group and its world size, a tuned choice for another group of the same size)
+- The calls' memo (``context.calls``, keyed by ``ops._record.signature`` in
+  ``ops._engine.decide``): on 2 gloo ranks, calls that differ from a first one in one field
+  only (dtype, M, K, N, chunks, backend, collective, group and its world size, a tuned choice
+  for another group of the same size)
   each get the plan a fresh process makes (the cache forgotten), which differs from the first
   call's; and a real call after another of another dtype computes right.
 - The recorded calls' key (``ops._record.signature`` and ``outputs``): every argument, the
@@ -89,7 +90,8 @@ def _plans(rank, R, seed):
                         f"  {fresh}")  # fmt: skip
     set_tuned(key, None)
     for group in (pair, None):
-        ctx = decide(x, w, name, group, None, backend, False)[1]
+        sig = _record.signature(name, group, "sum", backend, None, x, w)
+        ctx = decide(x, w, name, group, None, backend, False, sig).ctx
         if ctx.group is not group:
             failures.append(f"a call of group {group} got the context of group {ctx.group}")
     # real calls: fp32, then bf16 of the same shapes (the plain path, the interpreter's bf16
@@ -157,6 +159,7 @@ def test_record_signature_has_every_field(monkeypatch):
         "w's strides": sig(w=w_t),
         "w's shape": sig(w=wbuf.view(K // 2, 2 * N)),
         "x's device": _record.signature(*args, _AsCuda(x, 1), _AsCuda(w)),
+        "w's device": _record.signature(*args, _AsCuda(x), _AsCuda(w, 1)),
     }
     stream[0] = 8
     variants["caller stream"] = sig()
@@ -179,14 +182,13 @@ def test_record_signature_has_every_field(monkeypatch):
         assert key != _record.outputs(out), f"the output's {what} is not in the key"
 
 
-def test_record_signature_none_where_not_recorded():
-    """CPU tensors and validation mode: no key, so no recording."""
+def test_record_signature_none_in_validation_mode():
+    """Validation mode keeps nothing: no key."""
     x, w = torch.randn(4, 3), torch.randn(3, 2)
-    assert _record.signature("all_reduce", None, "sum", "ce", 4, x, w) is None
+    assert _record.signature("all_reduce", None, "sum", "ce", 4, x, w) is not None
     guard.configure(validate=True)
     try:
-        assert _record.signature("all_reduce", None, "sum", "ce", 4, _AsCuda(x), _AsCuda(w)) \
-            is None  # fmt: skip
+        assert _record.signature("all_reduce", None, "sum", "ce", 4, x, w) is None
     finally:
         guard.configure(validate=False)
 

@@ -63,6 +63,30 @@ def test_bad_out():
         overlap.matmul_allreduce(x, w, out=[0.0])
 
 
+def test_repeated_calls_are_checked():
+    """A call whose signature ran before skips the argument checks (``_engine.repeated``):
+    what the signature does not hold is still checked (``out``, ``chunks``' type), and a call
+    that needs autograd gets it after the same call without it."""
+    x, w = _xw(K=12)  # (N = K: out may alias x)
+    for call in (overlap.matmul_allreduce, overlap.all_gather_matmul):
+        call(x, w, out=torch.empty(8, 12), chunks=4)
+        with pytest.raises(ValueError, match="share memory"):
+            call(x, w, out=x, chunks=4)
+        with pytest.raises(ValueError, match="out is on meta"):
+            call(x, w, out=torch.empty(8, 12, device="meta"), chunks=4)
+        with pytest.raises(TypeError, match="chunks must be an int"):
+            call(x, w, chunks=4.0)
+        call(x, w)
+        xg = x.clone().requires_grad_()
+        with pytest.raises(ValueError, match="out= does not support autograd"):
+            call(xg, w, out=torch.empty(8, 12))
+        g = torch.randn(8, 12)
+        y = call(xg, w)
+        y.backward(g)
+        torch.testing.assert_close(y, x @ w)
+        torch.testing.assert_close(xg.grad, g @ w.t())
+
+
 @pytest.mark.parametrize("collective", overlap.COLLECTIVES)
 def test_world_size_one_is_the_plain_matmul(collective):
     assert not torch.distributed.is_initialized()

@@ -26,7 +26,7 @@ from _dist import _ALL_GATHER, TOL, count_collectives, mismatch, spawn
 
 import overlap
 from overlap.comm import TorchTransport
-from overlap.context import plans, set_tuned, tuned_key
+from overlap.context import forget, set_tuned, tuned_key
 
 F32, F16 = torch.float32, torch.float16
 _HOST = ("all_gather_object", "broadcast_object_list", "barrier")
@@ -50,12 +50,12 @@ def _blocked_on_rank1(rank: int):
         if rank == 1:
             blocked = type("BlockedTorch", (TorchTransport,), {"blocked": True})
             comm.select = lambda *a, **k: blocked
-        plans.clear()  # (decisions are cached by signature)
+        forget()  # (decisions are kept by signature)
         try:
             yield
         finally:
             comm.select = real
-            plans.clear()
+            forget()
 
     return patch()
 
@@ -78,12 +78,12 @@ def _mismatch_cases(rank: int) -> dict:
     def plain_on_rank1():
         key = tuned_key(None, 256, 96, 64, F32, "all_reduce")
         set_tuned(key, "plain" if one else None)
-        plans.clear()
+        forget()
         try:
             mc(r(256, 64), r(64, 96))  # rank 0: the default plan (overlapped)
         finally:
             set_tuned(key, None)
-            plans.clear()
+            forget()
 
     def blocked(call):
         def run():

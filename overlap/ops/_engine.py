@@ -1,12 +1,14 @@
 """The call engine: the stages every overlapped op runs, in order, each decided once.
 
 1. check the arguments (the op's file, with ``_checks.py``);
-2. a repeated eager call replays its recorded CUDA graph here (``_record.replay``), before
-   any planning;
-3. ``decide``: the context of (group, device, caller stream); the transport
-   (``comm.select``: the capture fit and every plain-path reason decided here, before
-   planning); the plan for it (``make_plan``: what ``overlap.plan`` returns and validation
-   mode fingerprints), cached by the call's signature. Nothing later changes the plan;
+2. ``decide``: what the same arguments were decided to run before (``context.calls``, by the
+   call's ``_record.signature``), else the context of (group, device, caller stream); the
+   transport (``comm.select``: the capture fit and every plain-path reason decided here,
+   before planning); the plan for it (``make_plan``: what ``overlap.plan`` returns and
+   validation mode fingerprints). Nothing later changes the plan;
+3. the output made, or the caller's checked (``check_out``, at every call: its address and
+   device are in no key); a recorded eager call replays its CUDA graph here
+   (``_record.replay``);
 4. validation mode's agreement (``guard.agree``), before anything is launched;
 5. the producer: the GEMM (``produce``: the Triton kernel counting finished tiles per
    chunk), or cuBLAS per band (the exchanges, ``exchange.py``);
@@ -38,6 +40,7 @@ import contextlib
 import functools
 import math
 import os
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -45,7 +48,7 @@ import torch.distributed as dist
 from .. import comm, guard, stats
 from ..collectives import collective
 from ..comm import TorchTransport, Transport
-from ..context import Context, context, plans, shapes, tuned, tuned_key
+from ..context import Context, calls, context, tuned, tuned_key
 from ..plan import (
     GatherPlan,
     Plan,
@@ -60,25 +63,41 @@ from . import _record
 from ._checks import capturing, check_operands, check_out, check_splits, num_sms, world
 
 
-# -- decide (stage 3) ------------------------------------------------------------------------
-def decide(x, w, name, group, chunks, backend, capturing: bool):
-    """``(plan, context, transport class)`` of a checked call (context and class None at
-    world size 1 or on the plain path's class-less reasons). Eager calls look the decision up
-    by signature first (``context.plans``: ~40 us less per repeated call)."""
-    key = (name, group, world(group), chunks, backend, x.shape, x.dtype, x.device, w.shape[1])
-    hit = None if capturing else plans.get(key)
-    if hit is not None:
-        p, cls = hit
-        return p, (context(group, x.device) if p.world_size > 1 else None), cls
+# -- decide (stage 2) ------------------------------------------------------------------------
+class Known(NamedTuple):
+    """What a call was decided to run: its plan, context and transport class (None at world
+    size 1 or on the plain path's class-less reasons) and its result's shape (the
+    all-gather's ``[R m, N]``)."""
+
+    plan: Plan | GatherPlan
+    ctx: Context | None
+    cls: type[Transport] | None
+    shape: tuple[int, ...]
+
+
+# calls kept in ``context.calls`` before it is emptied (a model's call sites are a few hundred)
+MAX_CALLS = 4096
+
+
+def decide(x, w, name, group, chunks, backend, capturing: bool, sig: tuple | None) -> Known:
+    """What a checked call runs: looked up by its signature ``sig`` (``_record.signature``;
+    None while capturing or validating: decided afresh), else decided and kept under it."""
+    known = calls.get(sig) if sig is not None else None
+    if known is not None:
+        return known
     p, ctx, cls = _decide(x, w, name, group, chunks, backend, capturing)
-    if not capturing:  # (a capture's choice depends on the transport's buffers)
-        if len(plans) >= 1024:
-            plans.clear()
-        plans[key] = (p, cls)
-    return p, ctx, cls
+    R = p.world_size
+    shape = (p.M, w.shape[1]) if p.spec.before else p.spec.result_shape(tuple(x.shape), p.N, R)
+    known = Known(p, ctx, cls, shape)
+    if sig is not None:  # (not while capturing: its choice depends on the transport's buffers)
+        if len(calls) >= MAX_CALLS:
+            calls.clear()
+        calls[sig] = known
+    return known
 
 
 def _decide(x, w, name, group, chunks, backend, capturing: bool):
+    """``(plan, context, transport class)`` of a checked call (``Known``)."""
     R, bits, spec = world(group), x.element_size() * 8, collective(name)
     M, K, N = math.prod(x.shape[:-1]) * (R if spec.before else 1), x.shape[-1], w.shape[1]
     if spec.before:  # the all-gather's plan never depends on N: the ranks' N may differ
@@ -162,7 +181,9 @@ def plan(
     """
     check_operands(x, w, collective, "sum", backend, group, chunks)
     if input_split_sizes is None and output_split_sizes is None:
-        return decide(x, w, collective, group, chunks, backend, capturing(x))[0]
+        cap = capturing(x)
+        sig = None if cap else _record.signature(collective, group, "sum", backend, chunks, x, w)
+        return decide(x, w, collective, group, chunks, backend, cap, sig).plan
     sends, receives = check_splits(x, collective, input_split_sizes, output_split_sizes, group)
     return split_plan(sends, receives, w.shape[-1], x.shape[-1], chunks, backend)
 
@@ -205,20 +226,19 @@ def run_after(x, w, name, group, op, out, backend, chunks, label: str) -> torch.
     ``overlap.stats`` counts it."""
     cap = capturing(x)
     sig = None if cap else _record.signature(name, group, op, backend, chunks, x, w)
-    if sig is not None and sig in shapes:  # a recorded call again: no planning
-        if out is None:
-            out = torch.empty(shapes[sig][0], dtype=x.dtype, device=x.device)
-        replayed = _record.replay((sig, _record.outputs(out)), _record.bases(x, out))
-        if replayed is not None:
-            stats.count(label, "replayed via " + replayed)
-            return out
-    p, ctx, cls = decide(x, w, name, group, chunks, backend, cap)
-    R, M, N = p.world_size, p.M, p.N
-    shape = p.spec.result_shape(tuple(x.shape), N, R)
+    p, ctx, cls, shape = decide(x, w, name, group, chunks, backend, cap, sig)
     if out is None:
         out = torch.empty(shape, dtype=x.dtype, device=x.device)
     else:
         check_out(out, shape, x, w)
+    key = None
+    if sig is not None and cls is not None and cls.recorded and x.is_cuda:
+        key = (sig, _record.outputs(out))
+        replayed = _record.replay(key, _record.bases(x, out))  # a recorded call again
+        if replayed is not None:
+            stats.count(label, "replayed via " + replayed)
+            return out
+    R, M, N = p.world_size, p.M, p.N
     x2 = x if x.dim() == 2 else x.reshape(M, p.K)
     out2 = out if out.dim() == 2 else out.view(M, N)  # (-1: ambiguous when N = 0)
     scale = 1.0 / R if op == "avg" and R > 1 else None
@@ -230,9 +250,9 @@ def run_after(x, w, name, group, op, out, backend, chunks, label: str) -> torch.
         plain(x2, w, out2, p, scale, group)
     else:
         call = functools.partial(overlapped, x2, w, out2, p, scale, ctx, cls)
-        key = None if sig is None or x2.data_ptr() != x.data_ptr() else (sig, _record.outputs(out))
-        _record.recorded(call, ctx, cls, capturing=cap, key=key, out_shapes=(shape,),
-                         moved=(x, out))  # fmt: skip
+        if x2.data_ptr() != x.data_ptr():  # (a copy made x 2-D: nothing to record)
+            key = None
+        _record.recorded(call, ctx, cls, capturing=cap, key=key, moved=(x, out))
     if validating:
         _watch(ctx, cls if p.path == "overlap" else None, p, x, cap)
     return out
@@ -329,23 +349,21 @@ def run_before(x, w, group, out, backend, chunks, keep: bool):
     """A checked ``all_gather_matmul`` call without autograd: ``(out, x_full)``, the second
     ``[R m, K]`` when ``keep`` else empty."""
     cap = capturing(x)
-    sig = None if cap else _record.signature("all_gather", group, "sum", backend, chunks, x, w,
-                                             keep)  # fmt: skip
-    if sig is not None and sig in shapes:  # a recorded call again: no planning
-        out_shape, full_shape = shapes[sig]
-        out = x.new_empty(out_shape) if out is None else out
-        full = x.new_empty(full_shape)
+    sig = None if cap else _record.signature("all_gather", group, "sum", backend, chunks, x, w)
+    p, ctx, cls, shape = decide(x, w, "all_gather", group, chunks, backend, cap, sig)
+    M, K, R = p.M, p.K, p.world_size
+    if out is None:
+        out = x.new_empty(shape)
+    else:
+        check_out(out, shape, x, w)
+    key = None
+    if sig is not None and cls is not None and cls.recorded and x.is_cuda:
+        full = x.new_empty((M, K) if keep else (0,))  # (outside a recorded graph's pool)
         key = (sig, _record.outputs(out, full), _record.bases(x, out, full))  # (not rebound)
-        replayed = _record.replay(key, ())
+        replayed = _record.replay(key, ())  # a recorded call again
         if replayed is not None:
             stats.count("all_gather_matmul", "replayed via " + replayed)
             return out, full
-    p, ctx, cls = decide(x, w, "all_gather", group, chunks, backend, cap)
-    M, N, K, R = p.M, w.shape[1], p.K, p.world_size
-    if out is None:
-        out = x.new_empty(M, N)
-    else:
-        check_out(out, (M, N), x, w)
     x2 = x.reshape(M // R, K)
     validating = ctx is not None and guard.validating()
     if validating:
@@ -359,13 +377,12 @@ def run_before(x, w, group, out, backend, chunks, keep: bool):
         torch.matmul(full, w, out=out)
         full = (full if R > 1 else full.clone()) if keep else x.new_empty(0)  # (R = 1: x)
     else:
-        full = x.new_empty((M, K) if keep else (0,))  # (outside a recorded graph's pool)
+        if key is None:
+            full = x.new_empty((M, K) if keep else (0,))
+        elif x2.data_ptr() != x.data_ptr():  # (a copy made x 2-D: nothing to record)
+            key = None
         call = functools.partial(_gathered, x2, w, out, full, p, ctx, cls)
-        key = None
-        if sig is not None and x2.data_ptr() == x.data_ptr():
-            key = (sig, _record.outputs(out, full), _record.bases(x, out, full))
-        _record.recorded(call, ctx, cls, capturing=cap, key=key,
-                         out_shapes=((M, N), tuple(full.shape)))  # fmt: skip
+        _record.recorded(call, ctx, cls, capturing=cap, key=key)
     if validating:
         _watch(ctx, cls if p.path == "overlap" else None, p, x, cap)
     return out, full

@@ -3,8 +3,8 @@
 An eager call made a second time with the same arguments, inputs and outputs (its
 ``signature`` and its ``outputs``: dtypes, shapes, strides, 16-byte alignment, the weight's
 address) through a transport that declares ``recorded`` (the copy engines) is captured into a
-CUDA graph, which that call and every later one like it replays (``replay``, before any
-planning: the signature's output shapes, ``context.shapes``, make the outputs first): one
+CUDA graph, which that call and every later one like it replays (``replay``, without
+planning: the call's memo, ``context.calls``, gives its plan and output shapes): one
 graph launch instead of the ~25 driver calls and the kernel launch of an eager call (the GPU
 work is the same: every call zeroes its own counters and flags). Only the first sighting runs
 eagerly, so calls that never repeat pay no capture.
@@ -23,7 +23,9 @@ reuse them, which is safe because the group's copy-engine calls never run at onc
 group's calls may run beside them, on another stream, and take another pool.
 
 Not in validation mode (its watch needs the communication stream), not for NCCL (not yet run
-on two GPUs), not while capturing, not where ``x`` was copied to make it 2-D (no key then).
+on two GPUs), not on CPU, not while capturing, not where ``x`` was copied to make it 2-D (no
+key then). The outputs' addresses and devices are in no key: the engine checks a given
+``out`` at every call (``check_out``), a replayed one included.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import torch
 
 from .. import guard
 from ..comm import Transport
-from ..context import Context, records, shapes
+from ..context import Context, records
 from ..signal import current_raw_stream
 from . import _rebind
 
@@ -62,14 +64,16 @@ class Record(NamedTuple):
 
 
 def signature(name, group, op, backend, chunks, x, w, *extra) -> tuple | None:
-    """What an eager call's plan and recorded graph depend on besides its outputs and the
-    input's address: its arguments, the caller stream, the input's dtype, shape, strides and
-    16-byte alignment (the kernel's TMA loads), the weight's address, dtype, shape and
-    strides; None where calls are not recorded (CPU, validation mode)."""
-    if not x.is_cuda or guard.validating():
+    """The key of an eager call's memo (``context.calls``) and, with its ``outputs``, of its
+    recorded graph: its arguments, the caller stream, the input's device, dtype, shape,
+    strides and 16-byte alignment (the kernel's TMA loads), the weight's device, address,
+    dtype, shape and strides: every value the argument checks read (``_checks.py``) and the
+    plan depends on. None in validation mode (nothing is kept)."""
+    if guard.validating():
         return None
-    return (name, group, op, backend, chunks, *extra, x.device, current_raw_stream(x.device),
-            x.data_ptr() % 16, x.dtype, x.shape, x.stride(), w.data_ptr(), w.dtype, w.shape,
+    stream = current_raw_stream(x.device) if x.is_cuda else 0
+    return (name, group, op, backend, chunks, *extra, x.device, stream, x.data_ptr() % 16,
+            x.dtype, x.shape, x.stride(), w.device, w.data_ptr(), w.dtype, w.shape,
             w.stride())  # fmt: skip
 
 
@@ -122,7 +126,6 @@ def recorded(
     *,
     capturing: bool,
     key: tuple | None,
-    out_shapes: tuple,
     moved: tuple[torch.Tensor, ...] = (),
 ) -> None:
     """``call(capturing)`` issues an overlapped call through a transport of ``cls`` on the
@@ -137,9 +140,6 @@ def recorded(
     if t.broken:  # (validation mode was on) the call raises
         call(False)
         return
-    if len(shapes) >= 4 * MAX_RECORDS:
-        shapes.clear()
-    shapes[key[0]] = out_shapes  # (also after a clear: the next call replays before planning)
     at = bases(*moved)
     rec = records.get(key)
     if rec is not None and rec.graph is not None and rec.bases != at:
