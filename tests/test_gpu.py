@@ -922,8 +922,10 @@ def _moving(rank, R, seed, device="cuda"):
     reading ``x``) and bf16 (``x`` through a TMA descriptor): every call against float64,
     outputs poisoned with NaN, earlier inputs and outputs kept alive (a graph not pointed at
     the new ones reads valid, wrong data), and every call from the fourth of a shape on
-    replayed (``ops/_rebind.py``; else the case tests nothing). ``device="cpu"``: the same
-    calls on CPU ranks, not recorded (tests/test_cache_keys.py)."""
+    replayed (``ops/_rebind.py``; else the case tests nothing); then a call like the
+    replayed ones with an ``out`` that aliases ``x`` or lies on the CPU must raise (a record's
+    key holds no address or device of its outputs). ``device="cpu"``: the same calls on CPU
+    ranks, not recorded (tests/test_cache_keys.py)."""
     import overlap
 
     cuda = device == "cuda"
@@ -956,6 +958,18 @@ def _moving(rank, R, seed, device="cuda"):
             replayed = overlap.stats().get(op, {}).get("replayed via ce", 0) > before
             if cuda and i >= 6 and not replayed:
                 failures.append(f"{what}: not replayed (its graph was not rebound)")
+    if cuda:  # a bad out for a call that replays (its record's key holds no address or device)
+        dtype, (M, K, N) = torch.bfloat16, (1024, 384, 512)
+        buf = torch.randn(M * (K + N), device=dev).to(dtype)
+        x = buf[: M * K].view(M, K)
+        for out, match in ((buf[: M * N].view(M, N), "share memory"),
+                           (torch.empty(M, N, dtype=dtype), "out is on cpu")):  # fmt: skip
+            try:
+                overlap.matmul_collective(x, weights[dtype, K, N][1], "all_reduce", out=out,
+                                          backend="ce", chunks=4)  # fmt: skip
+                failures.append(f"a repeated call with a bad out ({match}) did not raise")
+            except ValueError as e:
+                failures.extend([] if match in str(e) else [f"{match}: raised {e}"])
     return failures
 
 
