@@ -96,25 +96,6 @@ def decide(x, w, name, group, chunks, backend, capturing: bool, sig: tuple | Non
     return known
 
 
-def repeated(x, w, name, group, op, backend, chunks) -> tuple | None:
-    """The signature of a call whose arguments passed the checks before (it is in
-    ``context.calls``: the signature holds every value they read) and that runs the engine
-    directly now (no autograd, ``torch.compile`` or capture); None otherwise (the caller
-    checks the arguments). ``chunks`` of another type than int (``4.0``, ``True``) equals an
-    int in a key but fails the checks, so it is never taken for one."""
-    if (
-        torch.compiler.is_compiling()
-        or type(x) is not torch.Tensor
-        or type(w) is not torch.Tensor
-        or not (chunks is None or type(chunks) is int)
-    ):
-        return None
-    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad) or capturing(x):
-        return None
-    sig = _record.signature(name, group, op, backend, chunks, x, w)
-    return sig if sig in calls else None
-
-
 def _decide(x, w, name, group, chunks, backend, capturing: bool):
     """``(plan, context, transport class)`` of a checked call (``Known``)."""
     R, bits, spec = world(group), x.element_size() * 8, collective(name)
@@ -240,12 +221,11 @@ def _watch(ctx: Context, cls, p: Plan, x: torch.Tensor, capturing: bool) -> None
 
 
 # -- after the matmul ------------------------------------------------------------------------
-def run_after(x, w, name, group, op, out, backend, chunks, label: str, sig=None) -> torch.Tensor:
+def run_after(x, w, name, group, op, out, backend, chunks, label: str) -> torch.Tensor:
     """A checked matmul + collective ``name`` call without autograd; ``label``: the op, as
-    ``overlap.stats`` counts it; ``sig``: the call's signature where ``repeated`` found it."""
-    cap = sig is None and capturing(x)
-    if sig is None and not cap:
-        sig = _record.signature(name, group, op, backend, chunks, x, w)
+    ``overlap.stats`` counts it."""
+    cap = capturing(x)
+    sig = None if cap else _record.signature(name, group, op, backend, chunks, x, w)
     p, ctx, cls, shape = decide(x, w, name, group, chunks, backend, cap, sig)
     if out is None:
         out = torch.empty(shape, dtype=x.dtype, device=x.device)
@@ -365,13 +345,11 @@ def plain(x2, w, out2, p: Plan, scale: float | None, group) -> None:
 
 
 # -- before the matmul -----------------------------------------------------------------------
-def run_before(x, w, group, out, backend, chunks, keep: bool, sig=None):
+def run_before(x, w, group, out, backend, chunks, keep: bool):
     """A checked ``all_gather_matmul`` call without autograd: ``(out, x_full)``, the second
-    ``[R m, K]`` when ``keep`` else empty; ``sig``: the call's signature where ``repeated``
-    found it."""
-    cap = sig is None and capturing(x)
-    if sig is None and not cap:
-        sig = _record.signature("all_gather", group, "sum", backend, chunks, x, w)
+    ``[R m, K]`` when ``keep`` else empty."""
+    cap = capturing(x)
+    sig = None if cap else _record.signature("all_gather", group, "sum", backend, chunks, x, w)
     p, ctx, cls, shape = decide(x, w, "all_gather", group, chunks, backend, cap, sig)
     M, K, R = p.M, p.K, p.world_size
     if out is None:

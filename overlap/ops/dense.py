@@ -29,7 +29,7 @@ from ..collectives import collective
 from . import exchange
 from ._autograd import call, custom_op, differentiable
 from ._checks import check_operands, check_splits, group_of, via_op, world
-from ._engine import repeated, run_after, run_before
+from ._engine import run_after, run_before
 
 
 def matmul_collective(
@@ -86,10 +86,6 @@ def matmul_collective(
         TimeoutError: (validation mode) a rank did not arrive, or the call's collectives did
             not finish, within ``overlap.configure``'s timeout.
     """
-    if input_split_sizes is None and output_split_sizes is None:
-        sig = repeated(x, w, collective, group, op, backend, chunks)
-        if sig is not None:  # arguments that passed the checks before
-            return run_after(x, w, collective, group, op, out, backend, chunks, collective, sig)
     if check_operands(x, w, collective, op, backend, group, chunks).before:
         raise ValueError(f"collective={collective!r} gathers x before the matmul: call "
                          "overlap.all_gather_matmul")  # fmt: skip

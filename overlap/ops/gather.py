@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from ._autograd import call, custom_op, differentiable
 from ._checks import check_operands, group_of, needs_grad, via_op, world
-from ._engine import repeated, run_before
+from ._engine import run_before
 from .dense import _backward_op
 
 
@@ -54,11 +54,6 @@ def all_gather_matmul(
             different sizes included.
         TimeoutError: (validation mode) as ``matmul_collective``'s.
     """
-    gathered = isinstance(return_gathered, bool)
-    sig = repeated(x, w, "all_gather", group, "sum", backend, chunks) if gathered else None
-    if sig is not None:  # arguments that passed the checks before
-        y, full = run_before(x, w, group, out, backend, chunks, return_gathered, sig)
-        return (y, full) if return_gathered else y
     check_operands(x, w, "all_gather", "sum", backend, group, chunks)
     if not isinstance(return_gathered, bool):
         raise TypeError(f"return_gathered must be a bool, got {type(return_gathered).__name__}")
