@@ -268,9 +268,19 @@ def test_calls_valid_without_validation_run_with_it():
 
 def _silent_peer(rank, R):
     """Rank 1 makes the groups, then never calls: rank 0's calls that start with a host
-    collective raise validation's TimeoutError (2 s), not the group's (20 s)."""
+    collective raise validation's TimeoutError (2 s), not the group's (20 s). The road's
+    collective (``comm.road``, a group's first CUDA call) is played on gloo without CUDA."""
+    from overlap.comm import choice
+
     store = dist.distributed_c10d._get_default_store()
-    groups = [dist.new_group([0, 1], timeout=timedelta(seconds=20)) for _ in range(2)]
+    groups = [dist.new_group([0, 1], timeout=timedelta(seconds=20)) for _ in range(3)]
+
+    def route(group, device):  # the real one's collective
+        everyone: list = [None] * R
+        dist.all_gather_object(everyone, rank, group=group)
+        return "host"
+
+    choice.route = route
     overlap.configure(validate=True, timeout=2)
     failures = []
     if rank == 0:
@@ -281,6 +291,7 @@ def _silent_peer(rank, R):
              lambda: overlap.embedding_bag_all_to_all(tables, idx, off, group=groups[0])),
             ("tune", lambda: overlap.tune(x, w, candidates=(2,), iters=1, use_cache=False,
                                           group=groups[1])),
+            ("the road", lambda: choice.road(groups[2], torch.device("cuda", 0), False)),
         ):  # fmt: skip
             t0 = time.monotonic()
             try:

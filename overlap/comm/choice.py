@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .. import guard
 from .host import HostTransport
 from .nccl import CupyTransport, NcclTransport, TorchTransport
 from .peer import PeerTransport, route
@@ -33,11 +34,14 @@ _shared: dict[tuple, Transport] = {}  # (group, device, class) -> a `sized` tran
 
 def road(group: dist.ProcessGroup | None, device: torch.device, capturing: bool) -> str | None:
     """``route``'s answer for ``group`` on the CUDA ``device``: a collective the first time
-    (while ``capturing``, which cannot ask: the answer known, or None)."""
+    (while ``capturing``, which cannot ask: the answer known, or None), which validation mode
+    precedes with an agreement (a rank that never arrives raises ``TimeoutError`` there)."""
     key = (group, str(device))
     if key not in _roads:
         if capturing:
             return None
+        if guard.validating():  # every rank there first: the collective has no timeout
+            guard.agree(group, "road", "the group's first CUDA call asks which road it has")
         _roads[key] = route(group, device)
     return _roads[key]
 
