@@ -141,7 +141,7 @@ def check_case(
         ref = torch.cat([p[rank * Mr : (rank + 1) * Mr] for p in prods]).reshape(*lead, N)
     if op == "avg":
         ref = ref / R
-    p = overlap.plan(x, w, collective, chunks=chunks, group=group)
+    p = overlap.plan(x, w, collective, chunks=chunks, group=group, backend=backend)
     out = torch.full(ref.shape, float("nan"), dtype=dtype, device=device)
     before = dict(count_calls) if count_calls is not None else None
     name = f"{collective} {dtype} {shape} op={op} backend={backend} rank={rank}"
@@ -327,10 +327,10 @@ def fault_scenarios(rank: int, R: int, scenario: str, device: str) -> list[str]:
             orig_run = PeerTransport.run
 
             def dying_run(self, p, slots, out, wait, stream):
-                def wait_or_die(c):
+                def wait_or_die(c, ops=None):  # (ops: the batch, as `produce`'s wait takes)
                     if c == 1:  # rank 0's own tiles of this band wait for it in the kernel
                         os._exit(0)
-                    wait(c)
+                    wait(c, ops)
 
                 return orig_run(self, p, slots, out, wait_or_die, stream)
 
