@@ -141,8 +141,8 @@ def test_record_signature_has_every_field(monkeypatch):
     half = torch.randn(M * K).half()  # fp16 and bf16 at one address, one shape
     args = ("all_reduce", None, "sum", "ce", 4)
 
-    def sig(*a, x=x, w=w, extra=()):
-        return _record.signature(*(a or args), _AsCuda(x), _AsCuda(w), *extra)
+    def sig(*a, x=x, w=w):
+        return _record.signature(*(a or args), _AsCuda(x), _AsCuda(w))
 
     base = sig()
     variants = {
@@ -151,7 +151,6 @@ def test_record_signature_has_every_field(monkeypatch):
         "op": sig(*args[:2], "avg", *args[3:]),
         "backend": sig(*args[:3], "torch", args[4]),
         "chunks": sig(*args[:4], 8),
-        "extra (keep)": sig(extra=(True,)),
         "x's alignment": sig(x=torch.randn(M * K + 1)[1:].view(M, K)),
         "x's strides": sig(x=x_t),
         "x's shape": sig(x=buf.view(M // 2, 2 * K)),

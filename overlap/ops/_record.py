@@ -63,7 +63,7 @@ class Record(NamedTuple):
     binding: _rebind.Binding | None = None
 
 
-def signature(name, group, op, backend, chunks, x, w, *extra) -> tuple | None:
+def signature(name, group, op, backend, chunks, x, w) -> tuple | None:
     """The key of an eager call's memo (``context.calls``) and, with its ``outputs``, of its
     recorded graph: its arguments, the caller stream, the input's device, dtype, shape,
     strides and 16-byte alignment (the kernel's TMA loads), the weight's device, address,
@@ -72,7 +72,7 @@ def signature(name, group, op, backend, chunks, x, w, *extra) -> tuple | None:
     if guard.validating():
         return None
     stream = current_raw_stream(x.device) if x.is_cuda else 0
-    return (name, group, op, backend, chunks, *extra, x.device, stream, x.data_ptr() % 16,
+    return (name, group, op, backend, chunks, x.device, stream, x.data_ptr() % 16,
             x.dtype, x.shape, x.stride(), w.device, w.data_ptr(), w.dtype, w.shape,
             w.stride())  # fmt: skip
 
