@@ -1,12 +1,14 @@
 """What the benchmark tools that compare the library with plain torch on ranks share
 (``model_bench.py``, ``exchange_bench.py``): the common options, the launch (2 CPU ranks on
 gloo with Triton's interpreter; torchrun on GPUs; ``--one-gpu``: two ranks on GPU 0 over
-gloo, correctness only), the timing and the JSON report."""
+gloo, correctness only), the timing and the JSON report; and ``load``, a Python file as a
+module, which ``gemm_sweep.py`` and ``kernel_report.py`` use too."""
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import os
 import pathlib
@@ -15,6 +17,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from types import ModuleType
 
 import torch
 import torch.distributed as dist
@@ -22,6 +25,15 @@ import torch.multiprocessing as mp
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 Bench = Callable[[argparse.Namespace, torch.device, bool], None]  # (args, device, timing?)
+
+
+def load(path: str | os.PathLike, name: str) -> ModuleType:
+    """The Python file at ``path`` executed as a module named ``name`` (an example, or another
+    version of a library file for an A/B)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def add_options(ap: argparse.ArgumentParser, sizes: dict, out_default: str) -> None:

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import json
 import statistics
 import sys
@@ -51,6 +50,7 @@ import time
 import torch
 import triton
 import triton.language as tl
+from _benchrun import load
 from triton.testing import do_bench
 from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -293,9 +293,7 @@ def main(argv: list[str] | None = None) -> None:
                  "has: python tools/gemm_sweep.py OUT.json")  # fmt: skip
     for b in a.baseline:
         name, path = b.split("=", 1)
-        spec = importlib.util.spec_from_file_location(f"gemm_{name}", path)
-        _BASE[name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(_BASE[name])
+        _BASE[name] = load(path, f"gemm_{name}")
     dtypes = ["fp32"] if a.fp32 else a.dtypes.split(",")
     configs = [Tiles(*(int(v) for v in c.split(","))) for c in a.configs.split(";") if c] or [None]
     kernels = a.kernels.split(",")

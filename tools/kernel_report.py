@@ -18,7 +18,6 @@ divisible by 16 are marked so). Runs the ptxas that Triton assembles sm_90 with.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import re
 import subprocess
@@ -27,6 +26,7 @@ import tempfile
 
 import torch
 import triton
+from _benchrun import load
 from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
@@ -140,11 +140,7 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--kinds takes {','.join(KINDS)}: got {a.kinds}")
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         sys.exit("tools/kernel_report.py compiles for the GPU: run it without TRITON_INTERPRET=1")
-    mm = overlap.gemm.matmul
-    if a.matmul:
-        spec = importlib.util.spec_from_file_location("matmul_other", a.matmul)
-        mm = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mm)
+    mm = load(a.matmul, "matmul_other") if a.matmul else overlap.gemm.matmul
     print(f"{'kind':>4} {'MxNxK':>18} {'R':>2} {'stages':>6} {'regs':>4} {'spilled':>7} "
           f"{'shared':>7}  ptxas warnings")  # fmt: skip
     for M, N, K in shapes:

@@ -43,7 +43,6 @@ import argparse
 import contextlib
 import copy
 import cProfile
-import importlib.util
 import io
 import json
 import pathlib
@@ -53,7 +52,16 @@ import time
 
 import torch
 import torch.distributed as dist
-from _benchrun import DTYPES, add_options, fill_defaults, launch, rel_err, time_ms, write_json
+from _benchrun import (
+    DTYPES,
+    add_options,
+    fill_defaults,
+    launch,
+    load,
+    rel_err,
+    time_ms,
+    write_json,
+)
 from torch import nn
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -245,10 +253,7 @@ def _profile(step, rounds: int, path: str | None) -> None:
 
 def bench(args: argparse.Namespace, dev: torch.device, timing_meaningful: bool) -> None:
     """Builds, checks and times both modes for each sequence-parallel setting (every rank)."""
-    spec = importlib.util.spec_from_file_location("tp_transformer", ROOT / "examples" /
-                                                  "tp_transformer.py")  # fmt: skip
-    ex = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ex)
+    ex = load(ROOT / "examples" / "tp_transformer.py", "tp_transformer")
     R, rank, dtype = dist.get_world_size(), dist.get_rank(), DTYPES[args.dtype]
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     with torch.device(dev):
