@@ -64,9 +64,9 @@ def test_bad_out():
 
 
 def test_repeated_calls_are_checked():
-    """A call whose signature ran before skips the argument checks (``_engine.repeated``):
-    what the signature does not hold is still checked (``out``, ``chunks``' type), and a call
-    that needs autograd gets it after the same call without it."""
+    """A call whose signature ran before finds what it runs in ``context.calls``: what the
+    signature does not hold is still checked (``out``, ``chunks``' type), and a call that
+    needs autograd gets it after the same call without it."""
     x, w = _xw(K=12)  # (N = K: out may alias x)
     for call in (overlap.matmul_allreduce, overlap.all_gather_matmul):
         call(x, w, out=torch.empty(8, 12), chunks=4)
