@@ -80,7 +80,7 @@ def _tile(
     ROTATE: tl.constexpr, EPILOGUE: tl.constexpr, HAS_SCALE: tl.constexpr,
     PRECISION: tl.constexpr, TRACE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    HALVES: tl.constexpr, ASM_BARRIER: tl.constexpr, S_DESC: tl.constexpr,
+    HALVES: tl.constexpr, ASM_BARRIER: tl.constexpr,
 ):  # fmt: skip
     """Tile ``pid`` (launch order): its product to its slot, or for this rank's own block
     with an epilogue (``EPILOGUE`` not ``EPI_SLOTS``) into ``out``; then its chunk's count.
@@ -181,15 +181,9 @@ def _tile(
                         ptrs = recv_ref + s * block_elems + brow[:, None] * N + offs_n[None, :]
                         part = tl.load(ptrs, mask=mask, other=0.0)
                     acc += part.to(tl.float32)
-        if S_DESC:
-            _store_bands(out_ptr, band_a - out_row0 // run_rows_full, t * BLOCK_M, n0, acc,
-                         BLOCK_M, BLOCK_N)  # fmt: skip
-        else:
-            orow = (x_row0 - out_row0 + offs_i).to(tl.int64)
-            out_offs = orow[:, None] * N + offs_n[None, :]
-            tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-    elif S_DESC:
-        _store_bands(slots_ptr, band_a, t * BLOCK_M, n0, acc, BLOCK_M, BLOCK_N)
+        orow = (x_row0 - out_row0 + offs_i).to(tl.int64)
+        out_offs = orow[:, None] * N + offs_n[None, :]
+        tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
     else:
         # Slot of chunk (a, b): band_rows x band_cols row-major at row0 * N + col0 * band_rows.
         slot = row0.to(tl.int64) * N + col0 * band_rows
@@ -212,12 +206,9 @@ def _tile(
     if ASM_BARRIER:
         # PTX bar.sync: tl.debug_barrier() inside a flattened tile loop stops Triton 3.6
         # from pipelining it (one load buffer, 3.3x slower; gemm_s6_barrier.json).
-        # After TMA stores: each issuing thread waits until its stores are done (not only
-        # read out of shared memory), and a proxy fence orders them before the release.
-        wait: tl.constexpr = "cp.async.bulk.wait_group 0;\n fence.proxy.async.global;\n"
         chunk = tl.inline_asm_elementwise(
-            (wait if S_DESC else "") + "bar.sync 0;\n mov.b32 $0, $1;", "=r,r", [chunk],
-            dtype=tl.int32, is_pure=False, pack=1,
+            "bar.sync 0;\n mov.b32 $0, $1;", "=r,r", [chunk], dtype=tl.int32, is_pure=False,
+            pack=1,
         )  # fmt: skip
     else:
         tl.debug_barrier()
@@ -226,16 +217,6 @@ def _tile(
         tl.store(trace_ptr + 4 * pid + 1, tl.extra.cuda.globaltimer())
         tl.store(trace_ptr + 4 * pid + 2, tl.extra.cuda.smid().to(tl.int64))
         tl.store(trace_ptr + 4 * pid + 3, chunk.to(tl.int64))
-
-
-@triton.jit
-def _store_bands(desc, band, row, n0, acc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """``acc`` at ``[band, row, n0]`` of ``desc``, a ``[bands, band_rows, N]`` view: TMA stores
-    in two halves (half the shared memory that stages them), clipped at the band's last row."""
-    h0, h1 = tl.split(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)).permute(0, 2, 1))
-    shape: tl.constexpr = (1, BLOCK_M, BLOCK_N // 2)
-    desc.store([band, row, n0], tl.reshape(h0.to(desc.dtype), shape))
-    desc.store([band, row, n0 + BLOCK_N // 2], tl.reshape(h1.to(desc.dtype), shape))
 
 
 @triton.jit
@@ -249,7 +230,6 @@ def _chunked_matmul_kernel(
     EPILOGUE: tl.constexpr, HAS_SCALE: tl.constexpr, PRECISION: tl.constexpr,
     TRACE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, PERSISTENT: tl.constexpr, ASM_BARRIER: tl.constexpr,
-    S_DESC: tl.constexpr,
 ):  # fmt: skip
     # Tile ids are the launch order, so chunks finish in order. One program per tile, or
     # (PERSISTENT, the copy engines' road: no SM is needed by the communication) one program
@@ -265,7 +245,7 @@ def _chunked_matmul_kernel(
                 out_row0, M, N, K, stride_xm, stride_xk, stride_wk, stride_wn, num_pid_m,
                 tiles_per_band, run_rows_full, run_rows_last, n_bands, chunk_cols, scale,
                 RUNS, X_DESC, W_MODE, P_DESC, True, EPI_SLOTS, HAS_SCALE, PRECISION, TRACE,
-                BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, True, ASM_BARRIER, S_DESC,
+                BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, True, ASM_BARRIER,
             )  # fmt: skip
         # the same round robin goes on past own_start
         first = p0 + tl.cdiv(tl.maximum(own_start - p0, 0), step) * step
@@ -276,7 +256,7 @@ def _chunked_matmul_kernel(
                 out_row0, M, N, K, stride_xm, stride_xk, stride_wk, stride_wn, num_pid_m,
                 tiles_per_band, run_rows_full, run_rows_last, n_bands, chunk_cols, scale,
                 RUNS, X_DESC, W_MODE, P_DESC, True, EPILOGUE, HAS_SCALE, PRECISION, TRACE,
-                BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, True, ASM_BARRIER, S_DESC,
+                BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, True, ASM_BARRIER,
             )  # fmt: skip
     else:
         _tile(
@@ -285,7 +265,7 @@ def _chunked_matmul_kernel(
             bands_per_block, out_row0, M, N, K, stride_xm, stride_xk, stride_wk, stride_wn,
             num_pid_m, tiles_per_band, run_rows_full, run_rows_last, n_bands, chunk_cols, scale,
             RUNS, X_DESC, W_MODE, P_DESC, EPILOGUE != EPI_SLOTS, EPILOGUE, HAS_SCALE,
-            PRECISION, TRACE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, False, ASM_BARRIER, S_DESC,
+            PRECISION, TRACE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, False, ASM_BARRIER,
         )  # fmt: skip
 
 
@@ -360,7 +340,7 @@ def chunked_matmul(
         w_ref, w_mode = _descriptor(w, [t.block_k, t.block_n]), W_KN.value
     n_tiles = plan.num_tile_rows * -(-N // t.block_n)  # triton.cdiv costs ~5 us on the host
     R = plan.world_size
-    mode, p_desc, s_desc = EPI_SLOTS.value, False, False
+    mode, p_desc = EPI_SLOTS.value, False
     interpret = knobs.runtime.interpret
     # Persistent programs on the copy engines' road only (module docstring). The tf32x3
     # tiles' second K loop stays out of the flattened loop.
@@ -376,17 +356,7 @@ def chunked_matmul(
         if p_desc:  # the peers' partials through TMA
             recv = _descriptor(recv, [t.block_m, t.block_n])
         out_row0 = epilogue.rank * (M // R) if plan.spec.scatters else 0
-        out, rr = epilogue.out, plan.run_rows
-        # TMA stores where slots and out are row-major with 16-byte aligned rows: both viewed
-        # as [bands, band_rows, N] (the blocked plan's bands are equal), so a box past a
-        # band's last row is clipped, not written into the next band's rows.
-        s_desc = (persistent and out.is_contiguous() and _tma_ok(out.view(-1, N))
-                  and _tma_ok(slots[: M * N].view(M, N)))  # fmt: skip
-        if s_desc:
-            half = [1, t.block_m, t.block_n // 2]
-            slots = _descriptor(slots[: M * N].view(M // rr, rr, N), half)
-            out = _descriptor(out.view(-1, rr, N), half)
-        e_args = (out, recv, epilogue.flags, epilogue.rank, R,
+        e_args = (epilogue.out, recv, epilogue.flags, epilogue.rank, R,
                   first_band(epilogue.rank, R, b), b, out_row0)  # fmt: skip
     args = (
         x_ref, w_ref, slots, counters, trace if trace is not None else counters,
@@ -401,7 +371,6 @@ def chunked_matmul(
         HAS_SCALE=scale is not None, PRECISION="tf32x3" if tf32x3 else "tf32",
         TRACE=trace is not None, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
         GROUP_M=plan.group_m, PERSISTENT=persistent, ASM_BARRIER=persistent and not interpret,
-        S_DESC=s_desc,
     )  # fmt: skip
     if not persistent:
         return _launch(n_tiles, args, consts, t.num_warps, t.num_stages)
