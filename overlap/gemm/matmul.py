@@ -71,25 +71,8 @@ def _load_ab(
 
 
 @triton.jit
-def _count(counter_ptr, chunk, ASM_BARRIER: tl.constexpr):
-    """Count one tile of ``chunk`` (nothing for -1): a CTA barrier (every thread's stores of
-    the tile issued), then one release ``atomic_add`` at GPU scope."""
-    if ASM_BARRIER:
-        # PTX bar.sync: tl.debug_barrier() inside a flattened tile loop stops Triton 3.6
-        # from pipelining it (one load buffer, 3.3x slower; gemm_s6_barrier.json).
-        chunk = tl.inline_asm_elementwise(
-            "bar.sync 0;\n mov.b32 $0, $1;", "=r,r", [chunk], dtype=tl.int32, is_pure=False,
-            pack=1,
-        )  # fmt: skip
-    else:
-        tl.debug_barrier()
-    tl.atomic_add(counter_ptr + tl.maximum(chunk, 0), 1, mask=chunk >= 0, sem="release",
-                  scope="gpu")  # fmt: skip
-
-
-@triton.jit
 def _tile(
-    pid, pending, x_ref, w_ref, slots_ptr, counter_ptr, trace_ptr, bad_rows_ptr, bad_cols_ptr,
+    pid, x_ref, w_ref, slots_ptr, counter_ptr, trace_ptr, bad_rows_ptr, bad_cols_ptr,
     out_ptr, recv_ref, flags_ptr, rank, world, first_band, bands_per_block, out_row0,
     M, N, K, stride_xm, stride_xk, stride_wk, stride_wn,
     num_pid_m, tiles_per_band, run_rows_full, run_rows_last, n_bands, chunk_cols, scale,
@@ -97,14 +80,11 @@ def _tile(
     ROTATE: tl.constexpr, EPILOGUE: tl.constexpr, HAS_SCALE: tl.constexpr,
     PRECISION: tl.constexpr, TRACE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    HALVES: tl.constexpr, ASM_BARRIER: tl.constexpr, DEFER: tl.constexpr,
+    HALVES: tl.constexpr, ASM_BARRIER: tl.constexpr,
 ):  # fmt: skip
     """Tile ``pid`` (launch order): its product to its slot, or for this rank's own block
     with an epilogue (``EPILOGUE`` not ``EPI_SLOTS``) into ``out``; then its chunk's count.
-    ``ROTATE``: the blocked plan's launch order (own block last). ``DEFER``: the count is
-    left to the program's next tile (the chunk is returned and passed back as ``pending``),
-    which makes it after its own K loop: by then this tile's stores have drained and the
-    release does not hold the program; otherwise counted here (-1 returned)."""
+    ``ROTATE``: the blocked plan's launch order (own block last)."""
     if TRACE:  # tools/timeline.py: when each tile starts and ends, its SM and chunk
         tl.store(trace_ptr + 4 * pid, tl.extra.cuda.globaltimer())
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -172,8 +152,6 @@ def _tile(
                 ieee = tl.dot(a, b, ieee, input_precision="tf32")
             acc = tl.where((bad_r[:, None] + bad_c[None, :]) > 0, ieee, acc)
 
-    if DEFER:  # before any flag wait: a peer may be waiting for this chunk
-        _count(counter_ptr, pending, ASM_BARRIER)
     if HAS_SCALE:
         acc = acc * scale
     offs_i = tl.arange(0, BLOCK_M)
@@ -223,14 +201,22 @@ def _tile(
         else:
             offs = slot + rows[:, None] * band_cols + (offs_n - col0)[None, :]
             tl.store(slots_ptr + offs, acc.to(slots_ptr.dtype.element_ty), mask=mask)
+    # Every thread's stores are issued before the one release atomic that counts the tile.
     chunk = launch_a * tl.cdiv(N, chunk_cols) + band_b
-    if not DEFER:
-        _count(counter_ptr, chunk, ASM_BARRIER)
+    if ASM_BARRIER:
+        # PTX bar.sync: tl.debug_barrier() inside a flattened tile loop stops Triton 3.6
+        # from pipelining it (one load buffer, 3.3x slower; gemm_s6_barrier.json).
+        chunk = tl.inline_asm_elementwise(
+            "bar.sync 0;\n mov.b32 $0, $1;", "=r,r", [chunk], dtype=tl.int32, is_pure=False,
+            pack=1,
+        )  # fmt: skip
+    else:
+        tl.debug_barrier()
+    tl.atomic_add(counter_ptr + chunk, 1, sem="release", scope="gpu")
     if TRACE:
         tl.store(trace_ptr + 4 * pid + 1, tl.extra.cuda.globaltimer())
         tl.store(trace_ptr + 4 * pid + 2, tl.extra.cuda.smid().to(tl.int64))
         tl.store(trace_ptr + 4 * pid + 3, chunk.to(tl.int64))
-    return chunk if DEFER else -1
 
 
 @triton.jit
@@ -252,36 +238,34 @@ def _chunked_matmul_kernel(
     # own block, whose fused epilogue (flag waits, partials) stays out of the flattened loop.
     if PERSISTENT:
         p0, step = tl.program_id(axis=0), tl.num_programs(axis=0)
-        pending = -1
         for pid in tl.range(p0, own_start, step, flatten=True):
-            pending = _tile(
-                pid, pending, x_ref, w_ref, slots_ptr, counter_ptr, trace_ptr, bad_rows_ptr,
-                bad_cols_ptr, out_ptr, recv_ref, flags_ptr, rank, world, first_band,
-                bands_per_block, out_row0, M, N, K, stride_xm, stride_xk, stride_wk, stride_wn,
-                num_pid_m, tiles_per_band, run_rows_full, run_rows_last, n_bands, chunk_cols,
-                scale, RUNS, X_DESC, W_MODE, P_DESC, True, EPI_SLOTS, HAS_SCALE, PRECISION,
-                TRACE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, True, ASM_BARRIER, True,
+            _tile(
+                pid, x_ref, w_ref, slots_ptr, counter_ptr, trace_ptr, bad_rows_ptr, bad_cols_ptr,
+                out_ptr, recv_ref, flags_ptr, rank, world, first_band, bands_per_block,
+                out_row0, M, N, K, stride_xm, stride_xk, stride_wk, stride_wn, num_pid_m,
+                tiles_per_band, run_rows_full, run_rows_last, n_bands, chunk_cols, scale,
+                RUNS, X_DESC, W_MODE, P_DESC, True, EPI_SLOTS, HAS_SCALE, PRECISION, TRACE,
+                BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, True, ASM_BARRIER,
             )  # fmt: skip
         # the same round robin goes on past own_start
         first = p0 + tl.cdiv(tl.maximum(own_start - p0, 0), step) * step
         for pid in tl.range(first, n_tiles, step):
-            pending = _tile(
-                pid, pending, x_ref, w_ref, slots_ptr, counter_ptr, trace_ptr, bad_rows_ptr,
-                bad_cols_ptr, out_ptr, recv_ref, flags_ptr, rank, world, first_band,
-                bands_per_block, out_row0, M, N, K, stride_xm, stride_xk, stride_wk, stride_wn,
-                num_pid_m, tiles_per_band, run_rows_full, run_rows_last, n_bands, chunk_cols,
-                scale, RUNS, X_DESC, W_MODE, P_DESC, True, EPILOGUE, HAS_SCALE, PRECISION,
-                TRACE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, True, ASM_BARRIER, True,
+            _tile(
+                pid, x_ref, w_ref, slots_ptr, counter_ptr, trace_ptr, bad_rows_ptr, bad_cols_ptr,
+                out_ptr, recv_ref, flags_ptr, rank, world, first_band, bands_per_block,
+                out_row0, M, N, K, stride_xm, stride_xk, stride_wk, stride_wn, num_pid_m,
+                tiles_per_band, run_rows_full, run_rows_last, n_bands, chunk_cols, scale,
+                RUNS, X_DESC, W_MODE, P_DESC, True, EPILOGUE, HAS_SCALE, PRECISION, TRACE,
+                BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, True, ASM_BARRIER,
             )  # fmt: skip
-        _count(counter_ptr, pending, ASM_BARRIER)
     else:
         _tile(
-            tl.program_id(axis=0), -1, x_ref, w_ref, slots_ptr, counter_ptr, trace_ptr,
+            tl.program_id(axis=0), x_ref, w_ref, slots_ptr, counter_ptr, trace_ptr,
             bad_rows_ptr, bad_cols_ptr, out_ptr, recv_ref, flags_ptr, rank, world, first_band,
             bands_per_block, out_row0, M, N, K, stride_xm, stride_xk, stride_wk, stride_wn,
             num_pid_m, tiles_per_band, run_rows_full, run_rows_last, n_bands, chunk_cols, scale,
             RUNS, X_DESC, W_MODE, P_DESC, EPILOGUE != EPI_SLOTS, EPILOGUE, HAS_SCALE,
-            PRECISION, TRACE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, False, ASM_BARRIER, False,
+            PRECISION, TRACE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, False, ASM_BARRIER,
         )  # fmt: skip
 
 
