@@ -9,6 +9,9 @@ interpreter):
   collectives, so a silent peer is validation's ``TimeoutError``, not the group's timeout;
 - after a ``TimeoutError`` a group says it fell out of step (and what to do) until every rank
   has failed that call; a late rank raises there too, and then the ranks go on in step;
+- the watch of a call's collectives (``guard.Watch``, CUDA only; here with a stand-in stream
+  and event): its timer thread aborts a call whose host is held inside its issue, and its
+  clock starts at the first collective, not before (a first call's compilation);
 - ``configure``'s argument checks.
 """
 
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import math
 import random
+import threading
 import time
 from datetime import timedelta
 
@@ -25,6 +29,7 @@ import torch.distributed as dist
 from _dist import _ALL_GATHER, TOL, count_collectives, mismatch, spawn
 
 import overlap
+from overlap import guard
 from overlap.comm import TorchTransport
 from overlap.context import forget, set_tuned, tuned_key
 
@@ -402,3 +407,72 @@ def test_configure_rejects_bad_arguments(kw, exc):
     overlap.configure(timeout=7)
     assert guard.timeout() == 7.0
     overlap.configure(**before)
+
+
+class _Stream:
+    """A stand-in CUDA stream whose work is done once ``done`` is set (``_Event``)."""
+
+    device = "cuda:0"
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+
+
+class _Event:
+    def record(self, stream: _Stream) -> None:
+        self.stream = stream
+
+    def query(self) -> bool:
+        return self.stream.done.is_set()
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    keep = guard.timeout()
+    overlap.configure(timeout=0.5)
+    yield _Stream()
+    overlap.configure(timeout=keep)
+
+
+def test_watch_releases_a_host_held_in_the_issue(fake_cuda):
+    """Found on two GPUs: a kernel's first launch after a collective stuck on a dead peer held
+    the host inside CUDA (lazy module loading waits for the device), before any wait of the
+    watch's. Here the 'issue' holds until something ends the stuck collective: only the
+    timer thread's abort can, and the call then raises ``TimeoutError``."""
+    stream, aborted = fake_cuda, []
+
+    def abort() -> None:  # ends the stuck collective: the stream's work is done
+        aborted.append(threading.current_thread() is not threading.main_thread())
+        stream.done.set()
+
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match="did not finish within 0.5 s"):
+        with guard.Watch(stream, abort, "the call"):
+            guard.arm()  # right before the first collective
+            assert stream.done.wait(10), "the host was never released"
+    assert aborted == [True]
+    assert time.monotonic() - t0 < 5
+
+
+def test_watch_counts_from_the_first_collective(fake_cuda):
+    """Host work before ``arm`` (a first call compiles its kernel) does not count, and a call
+    whose collectives finish in time is neither aborted nor raises; neither does a call
+    whose issue raised, which gets its own exception back."""
+    stream, aborted = fake_cuda, []
+    with guard.Watch(stream, lambda: aborted.append(1), "the call"):
+        time.sleep(1.0)  # twice the timeout, before the first collective
+        guard.arm()
+        stream.done.set()
+    time.sleep(0.7)  # past the timer's deadline: it must have been stopped
+    assert aborted == []
+    with pytest.raises(KeyError):
+        with guard.Watch(_Stream(), lambda: aborted.append(1), "the call"):
+            guard.arm()
+            raise KeyError("issue")
+    time.sleep(0.7)
+    assert aborted == []
+    guard.arm()  # no call is being issued: nothing to start
+    time.sleep(0.7)
+    assert aborted == []

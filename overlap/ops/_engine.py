@@ -208,16 +208,16 @@ def _agree(group, p: Plan | GatherPlan, dtype, op: str = "sum") -> None:
     guard.agree(group, guard.fingerprint(what, dtype, sizes, p.layout()), p.describe())
 
 
-def _watch(ctx: Context, cls, p: Plan, x: torch.Tensor, capturing: bool) -> None:
-    """Validation mode's watch of the call's last work (not while capturing: a capturing
-    stream cannot be queried)."""
+def _watch(ctx: Context, cls, p: Plan | GatherPlan, x: torch.Tensor, capturing: bool):
+    """Validation mode's watch of the call issued inside it (``guard.Watch``; none while
+    capturing: a capturing stream cannot be queried)."""
     if capturing or not x.is_cuda:
-        return
-    if cls is None:  # the plain path: the caller stream, the group's own collectives
-        guard.watch(torch.cuda.current_stream(x.device), ctx.transport(TorchTransport).abort,
-                    p.describe())  # fmt: skip
+        return contextlib.nullcontext()
+    if p.path != "overlap":  # the plain path: the caller stream, the group's own collectives
+        s, cls = torch.cuda.current_stream(x.device), TorchTransport
     else:
-        guard.watch(ctx.comm_stream, ctx.transport(cls).abort, p.describe())
+        s = ctx.comm_stream
+    return guard.Watch(s, lambda: ctx.transport(cls).abort(), p.describe())
 
 
 # -- after the matmul ------------------------------------------------------------------------
@@ -246,15 +246,14 @@ def run_after(x, w, name, group, op, out, backend, chunks, label: str) -> torch.
     if validating:
         _agree(group, p, x.dtype, op)
     stats.count(label, how(p))
-    if p.path != "overlap":
-        plain(x2, w, out2, p, scale, group)
-    else:
-        call = functools.partial(overlapped, x2, w, out2, p, scale, ctx, cls)
-        if x2.data_ptr() != x.data_ptr():  # (a copy made x 2-D: nothing to record)
-            key = None
-        _record.recorded(call, ctx, cls, capturing=cap, key=key, moved=(x, out))
-    if validating:
-        _watch(ctx, cls if p.path == "overlap" else None, p, x, cap)
+    with _watch(ctx, cls, p, x, cap) if validating else contextlib.nullcontext():
+        if p.path != "overlap":
+            plain(x2, w, out2, p, scale, group)
+        else:
+            call = functools.partial(overlapped, x2, w, out2, p, scale, ctx, cls)
+            if x2.data_ptr() != x.data_ptr():  # (a copy made x 2-D: nothing to record)
+                key = None
+            _record.recorded(call, ctx, cls, capturing=cap, key=key, moved=(x, out))
     return out
 
 
@@ -319,6 +318,7 @@ def produce(x2, w, out2, p: Plan, scale, transport: Transport, counters, caller,
         s.wait_stream(caller)  # inputs and buffers are ready before `s` touches them
     tiles = trace.tiles if trace is not None else None
     chunked_matmul(x2, w, slots, counters, p, scale, epilogue=epilogue, trace=tiles)
+    guard.arm()  # (after the kernel: its first launch compiles it)
     try:
         transport.run(p, slots, out2, wait, s)
         if trace is not None:
@@ -369,22 +369,21 @@ def run_before(x, w, group, out, backend, chunks, keep: bool):
     if validating:
         _agree(group, p, x.dtype)
     stats.count("all_gather_matmul", how(p))
-    if p.path != "overlap":
-        full = x2
-        if R > 1:
-            full = x.new_empty(M, K)
-            p.spec.plain(x2.contiguous(), full, group)
-        torch.matmul(full, w, out=out)
-        full = (full if R > 1 else full.clone()) if keep else x.new_empty(0)  # (R = 1: x)
-    else:
-        if key is None:
-            full = x.new_empty((M, K) if keep else (0,))
-        elif x2.data_ptr() != x.data_ptr():  # (a copy made x 2-D: nothing to record)
-            key = None
-        call = functools.partial(_gathered, x2, w, out, full, p, ctx, cls)
-        _record.recorded(call, ctx, cls, capturing=cap, key=key)
-    if validating:
-        _watch(ctx, cls if p.path == "overlap" else None, p, x, cap)
+    with _watch(ctx, cls, p, x, cap) if validating else contextlib.nullcontext():
+        if p.path != "overlap":
+            full = x2
+            if R > 1:
+                full = x.new_empty(M, K)
+                p.spec.plain(x2.contiguous(), full, group)
+            torch.matmul(full, w, out=out)
+            full = (full if R > 1 else full.clone()) if keep else x.new_empty(0)  # (R = 1: x)
+        else:
+            if key is None:
+                full = x.new_empty((M, K) if keep else (0,))
+            elif x2.data_ptr() != x.data_ptr():  # (a copy made x 2-D: nothing to record)
+                key = None
+            call = functools.partial(_gathered, x2, w, out, full, p, ctx, cls)
+            _record.recorded(call, ctx, cls, capturing=cap, key=key)
     return out, full
 
 
@@ -405,6 +404,7 @@ def consume(x2, w, out, full, p: GatherPlan, transport: Transport, rank: int, ca
     R, N, K = p.world_size, w.shape[1], p.K
     m, keep = p.M // R, full.numel() > 0
     try:
+        guard.arm()
         buf = transport.gather(p, x2.contiguous(), s, caller)  # `s` waits for `caller`
         torch.matmul(x2, w, out=out[rank * m : (rank + 1) * m])  # own rows: no wait
         out3 = out.view(R, m, N)

@@ -153,10 +153,10 @@ def _bags_forward(tables, indices, offsets, group, mode, rank_dims, backend, chu
     agreed = {"bags": B, "mode": mode}  # (validation; with the splits B implies rank_dims)
     call = _SplitCall(t0, group, backend, n, sends, receives, 1, 0, "embedding_bag_all_to_all",
                       agreed)  # fmt: skip
-    p, s, out = call.plan, call.stream, t0.new_empty(b, sum(rank_dims))
-    send, recv = t0.new_empty(B * D, 1), t0.new_empty(b * sum(rank_dims), 1)
-    starts = [sum(rank_dims[:s_]) for s_ in range(R)]
-    try:
+    p, s, starts = call.plan, call.stream, [sum(rank_dims[:s_]) for s_ in range(R)]
+    try:  # (from the call's watch on: `end` must close it)
+        out = t0.new_empty(b, sum(rank_dims))
+        send, recv = t0.new_empty(B * D, 1), t0.new_empty(b * sum(rank_dims), 1)
         at = 0
         for c, (lo, hi) in enumerate(bands):
             h = hi - lo
@@ -164,6 +164,7 @@ def _bags_forward(tables, indices, offsets, group, mode, rank_dims, backend, chu
                 send[at : at + h * D].view(h, D).copy_(pool(j * b + lo, j * b + hi))
                 at += h * D
             call.mark(c, call.caller)
+        guard.arm()
         call.transport.run_splits(p, send, recv, call.waiter(s), lambda c: None, s, layout)
         with torch.cuda.stream(s) if s is not None else contextlib.nullcontext():
             at = 0
@@ -173,7 +174,7 @@ def _bags_forward(tables, indices, offsets, group, mode, rank_dims, backend, chu
                     out[lo:hi, starts[s_] : starts[s_] + d] = piece
                     at += (hi - lo) * d
     finally:
-        call.end(t0)
+        call.end()
     return out
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import math
+import sys
 
 import torch
 import torch.distributed as dist
@@ -55,18 +56,19 @@ def split_forward(
         _product(x2, w, out, slice(0, M), slice(0, M), runs)
         return out
     p, s, n = call.plan, call.stream, call.plan.n_chunks
-    y, recv = x.new_empty(M, N), x.new_empty(sum(receives), N)
-    try:
+    try:  # (from the call's watch on: `end` must close it)
+        y, recv = x.new_empty(M, N), x.new_empty(sum(receives), N)
         for c, rows in enumerate(band_rows(sends, n)):
             for std, slot in rows:
                 _product(x2, w, y, std, slot, runs)
             call.mark(c, call.caller)
+        guard.arm()
         call.transport.run_splits(p, y, recv, call.waiter(s), lambda c: None, s)
         with torch.cuda.stream(s) if s is not None else contextlib.nullcontext():
             order = call.transport.order(receives, n, x.device, to_slots=False)
             torch.index_select(recv, 0, order, out=out)
     finally:
-        call.end(x)
+        call.end()
     return out
 
 
@@ -87,11 +89,12 @@ def dispatch_forward(x, w, group, out, backend, chunks, sends, receives, runs, k
         return out, (x2.clone() if keep else x.new_empty(0))  # (x2 may be x: the op's input)
     p, s, n = call.plan, call.stream, call.plan.n_chunks
     t = call.transport
-    recv = x.new_empty(rows, K)
-    try:
+    try:  # (from the call's watch on: `end` must close it)
+        recv = x.new_empty(rows, K)
         send = x2.index_select(0, t.order(sends, n, x.device, to_slots=True))
         if s is not None:
             s.wait_stream(call.caller)  # `send` is made on the caller stream
+        guard.arm()
         t.run_splits(p, send, recv, lambda c: None, lambda c: call.mark(c, s), s)
         for c, bands in enumerate(band_rows(receives, n)):
             call.waiter(call.caller)(c)
@@ -100,7 +103,7 @@ def dispatch_forward(x, w, group, out, backend, chunks, sends, receives, runs, k
         full = recv.index_select(0, t.order(receives, n, x.device, to_slots=False)) if keep \
             else x.new_empty(0)  # fmt: skip
     finally:
-        call.end(x)
+        call.end()
     return out, full
 
 
@@ -120,13 +123,13 @@ class _SplitCall:
     def __init__(self, x, group, backend, chunks, sends, receives, N, K, label: str,
                  agreed: dict | None = None) -> None:  # fmt: skip
         self.plan = split_plan(sends, receives, N, K, chunks, backend)
-        self.ctx = self.stream = self.caller = self.events = None
+        self.ctx = self.stream = self.caller = self.events = self.watch = None
         stats.count(label, how(self.plan))
         if self.plan.path != "overlap":
             return
         self.ctx = context(group, x.device)
-        self.validating = guard.validating()
-        if self.validating:
+        validating = guard.validating()
+        if validating:
             if agreed is None:  # the exchanged rows' width: x @ w's (the dispatch passes x's)
                 agreed = {"width": N}
             p = self.plan
@@ -138,6 +141,8 @@ class _SplitCall:
             self.caller = torch.cuda.current_stream(x.device)
             self.events = self.transport.events(self.plan.n_chunks)
             self.stream.wait_stream(self.caller)
+            if validating and not capturing(x):
+                self.watch = guard.Watch(self.stream, self.transport.abort, self.plan.describe())
 
     def mark(self, c: int, stream) -> None:
         """Chunk ``c`` is done on ``stream`` (an event; nothing on CPU)."""
@@ -150,13 +155,14 @@ class _SplitCall:
             return lambda c: None
         return lambda c: stream.wait_event(self.events[c])
 
-    def end(self, x) -> None:
-        """The caller waits for the communication stream; validation mode's watch."""
+    def end(self) -> None:
+        """(In the call's ``finally``.) The caller waits for the communication stream;
+        validation mode's watch, told of the exception the call raised, if any."""
         if self.stream is None:
             return
         self.caller.wait_stream(self.stream)
-        if self.validating and not capturing(x):
-            guard.watch(self.stream, self.transport.abort, self.plan.describe())
+        if self.watch is not None:
+            self.watch.close(sys.exc_info()[1])
 
 
 def _product(x2, w, y, src: slice, dst: slice, runs, ids_at_dst: bool = False) -> None:
