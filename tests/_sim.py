@@ -18,8 +18,9 @@ GPU, with these stand-ins (``install``):
 - ``Driver``: the cuda-python calls of ``overlap.signal.wait`` (copies, stream memory waits
   and writes, batches of them, at most 255 per batch as the driver takes), per stream;
 - ``chunked_matmul``: a launch on the current stream; when the stream reaches it, the real
-  kernel runs under Triton's interpreter in a thread of its own, one tile at a time
-  (``Kernels``);
+  kernel runs under Triton's interpreter in a thread of its own, each of its programs in a
+  thread too (persistent programs wait on one another through the protocol), one tile at a
+  time (``Kernels``);
 - ``Comm``: an NCCL communicator per rank whose collectives are stream ops, executed once
   every rank's stream has reached the same collective.
 
@@ -34,7 +35,9 @@ never met fails as a deadlock.
 from __future__ import annotations
 
 import contextlib
+import copy
 import ctypes
+import functools
 import threading
 import types
 
@@ -151,7 +154,13 @@ class _Abort(BaseException):
 
 class Kernels:
     """Real kernels in threads that take turns with the scheduler: a kernel thread runs
-    until its next tile starts or a tile polls a flag, then hands the turn back."""
+    until its next tile starts or a tile polls a flag, then hands the turn back.
+
+    A launch's programs run as threads of their own too, stepped in turn by the launch's
+    thread (one step of each per step of the launch), as on a GPU where every program of a
+    persistent launch is resident: Triton's interpreter would run them one after another,
+    and a program spinning on a peer's flag would then wait for programs of its own launch
+    that never start."""
 
     def __init__(self, monkeypatch):
         self.cv = threading.Condition()
@@ -166,13 +175,28 @@ class Kernels:
         )
 
         def set_grid_dim(*dim):
+            if hasattr(self.local, "program"):  # one program of a launch (``_programs``)
+                dim = (self.local.program[1], 1, 1)
             self.local.dim = dim
             real_dim(*dim)
 
         def set_grid_idx(*idx):
             self._yield("tile")
+            if hasattr(self.local, "program"):
+                idx = (self.local.program[0], 0, 0)
             self.local.idx = idx
             real_idx(*idx)
+
+        real_call = interpreter.GridExecutor.__call__
+
+        def call(executor, *args, **kwargs):
+            grid = executor.grid
+            me = threading.current_thread().name
+            if me not in self.threads or callable(grid) or len(grid) != 1 or grid[0] == 1:
+                return real_call(executor, *args, **kwargs)
+            return self._programs(real_call, executor, grid[0], args, kwargs)
+
+        monkeypatch.setattr(interpreter.GridExecutor, "__call__", call)
 
         def create_atomic_rmw(op, ptr, val, mask, sem, scope):
             out = real_rmw(op, ptr, val, mask, sem, scope)
@@ -197,13 +221,39 @@ class Kernels:
         self.threads: dict[str, dict] = {}
 
     def close(self):
-        """End every kernel thread (a failed simulation leaves some waiting)."""
+        """End every kernel thread (a failed simulation leaves some waiting); a launch's
+        thread ends its programs' threads."""
         self.abort = True
-        for name, th in self.threads.items():
-            while not th["done"]:
+        for name, th in list(self.threads.items()):
+            while th["owner"] == "main" and not th["done"]:
                 self._step(name)
         for scope in reversed(self.scopes.values()):
             scope.restore()
+
+    def _programs(self, real_call, executor, n: int, args, kwargs) -> None:
+        """Run a launch of ``n`` programs (this thread's kernel) as ``n`` threads, each
+        stepped once per step of this one."""
+        me = threading.current_thread().name
+        one = copy.copy(executor)
+        one.grid = (1,)
+
+        def program(x: int):
+            self.local.program = (x, n)
+            real_call(one, *args, **kwargs)
+
+        kids = [f"{me}/{x}" for x in range(n)]
+        for x, kid in enumerate(kids):
+            self.start(kid, functools.partial(program, x), owner=me)
+        try:
+            while kids:
+                kinds = [self.step(kid) for kid in kids]
+                kids = [k for k, kind in zip(kids, kinds, strict=True) if kind != "done"]
+                if kids:  # a round of the programs is one step of the launch
+                    self._yield("poll" if all(k == "poll" for k in kinds) else "tile")
+        finally:  # (an abort or a program's error): end the others
+            for kid in kids:
+                while not self.threads[kid]["done"]:
+                    self._step(kid)
 
     def _yield(self, kind: str) -> None:
         me = threading.current_thread().name
@@ -213,7 +263,7 @@ class Kernels:
             raise _Abort
         with self.cv:
             self.threads[me]["last"] = kind
-            self.turn = "main"
+            self.turn = self.threads[me]["owner"]
             self.cv.notify_all()
             self.cv.wait_for(lambda: self.turn == me)
         if self.abort:
@@ -222,9 +272,10 @@ class Kernels:
         if hasattr(self.local, "idx"):  # another kernel ran meanwhile: this one's grid again
             builder.grid_dim, builder.grid_idx = self.local.dim, self.local.idx
 
-    def start(self, name: str, launch) -> None:
-        """Start ``launch()`` in a thread; it runs only in ``step``s."""
-        state = {"done": False, "last": "start", "error": None}
+    def start(self, name: str, launch, owner: str = "main") -> None:
+        """Start ``launch()`` in a thread; it runs only in ``step``s of ``owner`` (the
+        scheduler, or the thread of the launch whose program it is)."""
+        state = {"done": False, "last": "start", "error": None, "owner": owner}
 
         def body():
             with self.cv:
@@ -237,17 +288,18 @@ class Kernels:
                 state["error"] = e
             with self.cv:
                 state["done"] = True
-                self.turn = "main"
+                self.turn = owner
                 self.cv.notify_all()
 
         self.threads[name] = state
         threading.Thread(target=body, name=name, daemon=True).start()
 
     def _step(self, name: str) -> None:
+        owner = self.threads[name]["owner"]
         with self.cv:
             self.turn = name
             self.cv.notify_all()
-            self.cv.wait_for(lambda: self.turn == "main")
+            self.cv.wait_for(lambda: self.turn == owner)
 
     def step(self, name: str) -> str:
         """Run kernel ``name`` to its next yield: "tile", "poll" or "done"."""
