@@ -174,7 +174,10 @@ def test_copy_engine_transport(p2p, monkeypatch):
 def _four_ranks(rank, R, seed, want_backend):
     """4 ranks through the default backend: the backend ``auto`` takes for each overlapped
     plan (the copy-engine transport with P2P; NCCL per chunk without it: the host road lost
-    at R = 4) and every result against float64, over shapes with M divisible by 4."""
+    at R = 4) and every result against float64, over shapes with M divisible by 4. With
+    ``x [4, 256, 1024]`` a reduce-scatter or all-to-all has 256 rows per rank, one tile row:
+    decode-sized, so column bands, which the copy engines do not move (``comm.select``):
+    NCCL there on both roads."""
     import overlap
 
     dev = torch.device(f"cuda:{rank}")
@@ -185,8 +188,9 @@ def _four_ranks(rank, R, seed, want_backend):
             x = torch.empty(*shape[:-1], device=dev, dtype=dtype)
             w = torch.empty(*shape[-2:], device=dev, dtype=dtype)
             got = overlap.plan(x, w, coll, chunks=8).transport
-            if got != want_backend:
-                failures.append(f"{coll} {shape}: auto took {got}, not {want_backend}")
+            want = "torch" if i == 2 and coll != "all_reduce" else want_backend
+            if got != want:
+                failures.append(f"{coll} {shape}: auto took {got}, not {want}")
             msg = check_case(rank, R, str(dev), coll, dtype, shape, seed + 10 * i, backend="auto",
                              chunks=8)  # fmt: skip
             failures += [msg] if msg else []
@@ -195,8 +199,7 @@ def _four_ranks(rank, R, seed, want_backend):
 
 @pytest.mark.parametrize("p2p", ["nvlink", "no_p2p"])
 def test_four_gpus(p2p, monkeypatch):
-    """World size 4 (a 4-GPU machine; skipped with fewer GPUs). Not yet run on GPUs: the
-    R = 4 was measured through the bench only (BENCHMARKS.md, four GPUs)."""
+    """World size 4 (a 4-GPU machine; skipped with fewer GPUs)."""
     if not torch.cuda.is_available() or torch.cuda.device_count() < 4:
         pytest.skip("needs 4 CUDA GPUs")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
