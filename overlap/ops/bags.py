@@ -154,7 +154,7 @@ def _bags_forward(tables, indices, offsets, group, mode, rank_dims, backend, chu
     call = _SplitCall(t0, group, backend, n, sends, receives, 1, 0, "embedding_bag_all_to_all",
                       agreed)  # fmt: skip
     p, s, starts = call.plan, call.stream, [sum(rank_dims[:s_]) for s_ in range(R)]
-    try:  # (from the call's watch on: `end` must close it)
+    with call:  # (its exit waits for the exchange, and closes the watch)
         out = t0.new_empty(b, sum(rank_dims))
         send, recv = t0.new_empty(B * D, 1), t0.new_empty(b * sum(rank_dims), 1)
         at = 0
@@ -173,8 +173,6 @@ def _bags_forward(tables, indices, offsets, group, mode, rank_dims, backend, chu
                     piece = recv[at : at + (hi - lo) * d].view(hi - lo, d)
                     out[lo:hi, starts[s_] : starts[s_] + d] = piece
                     at += (hi - lo) * d
-    finally:
-        call.end()
     return out
 
 

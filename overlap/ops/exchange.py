@@ -15,7 +15,6 @@ from __future__ import annotations
 import bisect
 import contextlib
 import math
-import sys
 
 import torch
 import torch.distributed as dist
@@ -56,7 +55,7 @@ def split_forward(
         _product(x2, w, out, slice(0, M), slice(0, M), runs)
         return out
     p, s, n = call.plan, call.stream, call.plan.n_chunks
-    try:  # (from the call's watch on: `end` must close it)
+    with call:  # (its exit waits for the exchange, and closes the watch)
         y, recv = x.new_empty(M, N), x.new_empty(sum(receives), N)
         for c, rows in enumerate(band_rows(sends, n)):
             for std, slot in rows:
@@ -67,8 +66,6 @@ def split_forward(
         with torch.cuda.stream(s) if s is not None else contextlib.nullcontext():
             order = call.transport.order(receives, n, x.device, to_slots=False)
             torch.index_select(recv, 0, order, out=out)
-    finally:
-        call.end()
     return out
 
 
@@ -89,7 +86,7 @@ def dispatch_forward(x, w, group, out, backend, chunks, sends, receives, runs, k
         return out, (x2.clone() if keep else x.new_empty(0))  # (x2 may be x: the op's input)
     p, s, n = call.plan, call.stream, call.plan.n_chunks
     t = call.transport
-    try:  # (from the call's watch on: `end` must close it)
+    with call:  # (its exit waits for the exchange, and closes the watch)
         recv = x.new_empty(rows, K)
         send = x2.index_select(0, t.order(sends, n, x.device, to_slots=True))
         if s is not None:
@@ -102,8 +99,6 @@ def dispatch_forward(x, w, group, out, backend, chunks, sends, receives, runs, k
                 _product(recv, w, out, slot, std, runs, ids_at_dst=True)
         full = recv.index_select(0, t.order(receives, n, x.device, to_slots=False)) if keep \
             else x.new_empty(0)  # fmt: skip
-    finally:
-        call.end()
     return out, full
 
 
@@ -155,14 +150,17 @@ class _SplitCall:
             return lambda c: None
         return lambda c: stream.wait_event(self.events[c])
 
-    def end(self) -> None:
-        """(In the call's ``finally``.) The caller waits for the communication stream;
-        validation mode's watch, told of the exception the call raised, if any."""
+    def __enter__(self) -> _SplitCall:
+        return self
+
+    def __exit__(self, kind, error, tb) -> None:
+        """The caller waits for the communication stream; validation mode's watch, told of
+        the exception the call raised (``error``), if any."""
         if self.stream is None:
             return
         self.caller.wait_stream(self.stream)
         if self.watch is not None:
-            self.watch.close(sys.exc_info()[1])
+            self.watch.close(error)
 
 
 def _product(x2, w, y, src: slice, dst: slice, runs, ids_at_dst: bool = False) -> None:
