@@ -6,7 +6,8 @@ plain torch path in fp32, memory tracked.
     torchrun --nproc-per-node=2 tools/soak.py --seconds 90
 
 Every rank draws the same case sequence (seeded), its own inputs. Validation mode is switched
-on for every other block of 250 calls. Prints a summary and writes JSON (rank 0).
+on for every other block of ``BLOCK`` calls (small, so that a short soak, whose first minutes go
+into compiling kernels, runs both modes). Prints a summary and writes JSON (rank 0).
 
 ``--one-gpu``: both ranks on GPU 0 over gloo (a machine with one GPU; start it with
 ``NCCL_P2P_DISABLE=1``): the copy engines' host road and NCCL per chunk through gloo, with the
@@ -43,6 +44,10 @@ SHAPES = [  # (M, K, N)
 ]
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
+# calls per block: the ranks agree to stop, validation mode switches and memory is sampled
+# between blocks (a 100 s soak on 2x H200 ran 250 calls, 2026-11-26: blocks of 250 never
+# turned validation on)
+BLOCK = 50
 ON_HOST = False  # --one-gpu: gloo takes the references' collectives on host tensors
 
 
@@ -194,22 +199,23 @@ def main() -> None:
     gen = torch.Generator(device=dev).manual_seed(a.seed + 1000 * rank)
     failures, worst, paths, memory = [], {}, {"overlap": 0, "fallback": 0}, []
     t0 = time.monotonic()
-    done = 0
+    done = validated = 0
     while done < a.calls:
-        if done % 250 == 0:
+        if done % BLOCK == 0:
             stop = torch.tensor(
                 [int(time.monotonic() - t0 > a.seconds)], device="cpu" if a.one_gpu else dev
             )
             dist.all_reduce(stop)  # every rank stops at the same call
             if stop.item():
                 break
-            overlap.configure(validate=(done // 250) % 2 == 1, timeout=60)
+            overlap.configure(validate=(done // BLOCK) % 2 == 1, timeout=60)
             torch.cuda.synchronize()
             memory.append((done, torch.cuda.memory_allocated(), torch.cuda.memory_reserved()))
         dtype, err, p, op = _one_call(rng, gen, dev, R)
         key = f"{p.collective} {str(dtype)[6:]}"
         worst[key] = max(worst.get(key, 0.0), err)
         paths[p.path] += 1
+        validated += (done // BLOCK) % 2
         if not err < TOL[dtype]:  # NaN fails too
             failures.append(f"call {done}: {p.describe()} op={op} {dtype}: error {err:.3g}")
         done += 1
@@ -224,6 +230,7 @@ def main() -> None:
             "calls": done,
             "seconds": round(elapsed, 1),
             "paths": paths,
+            "validated_calls": validated,
             "failures": [f for fs in all_fail for f in fs][:50],
             "n_failures": sum(len(fs) for fs in all_fail),
             "worst_error_rank0": {k: float(f"{v:.3g}") for k, v in sorted(worst.items())},
