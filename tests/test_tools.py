@@ -146,6 +146,28 @@ def test_gemm_sweep_floor_kernel(layout, persistent, monkeypatch):
     assert ((y.double() - want).norm() / want.norm()).item() < 2e-3
 
 
+@pytest.mark.parametrize("kind", ["tri", "trip"])
+def test_gemm_sweep_floor_default_tiles(kind, monkeypatch):
+    """``gemm_sweep``'s floor as ``--kernels tri`` (no tile config) builds it: the library's
+    GPU tiles (256x128x64), checked against float64 under the interpreter."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import gemm_sweep
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+
+    props = type("Props", (), {"multi_processor_count": 3})()
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(272, 80, generator=g).half()
+    w = torch.randn(72, 80, generator=g).half().t()
+    launch, check, plan = gemm_sweep._variant(kind, x, w, 2, torch.float16, None)
+    assert plan is None
+    launch()
+    err, counted = check((x.double() @ w.double()).half())
+    assert err < 2e-3 and counted
+
+
 def test_kernel_report_no_spills_no_serialized_wgmma():
     """``tools/kernel_report.py`` compiles the real kernels for sm_90 without a GPU: the NCCL
     road's and the copy engines' (R = 2 and 8) spill no register, and ptxas keeps their wgmma

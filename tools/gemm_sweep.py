@@ -193,7 +193,8 @@ def _variant(kind, x, w, tp, dtype, tiles):
     M, K = x.shape
     N = w.shape[1]
     if kind in ("tri", "trip"):
-        launch, mine = _plain(x, w, tiles or tiles_for(M, dtype.itemsize * 8, False), kind == "trip")
+        tiles = tiles or tiles_for(M, dtype.itemsize * 8, interpreter=False)
+        launch, mine = _plain(x, w, tiles, kind == "trip")
         rel = lambda y: ((mine.float() - y.float()).norm() / y.float().norm()).item()  # noqa: E731
         return launch, lambda y: (rel(y), True), None
     coll = "reduce_scatter" if kind.endswith("rs") else "all_reduce"
