@@ -120,21 +120,27 @@ def test_bench_plot(tmp_path):
         assert done.returncode == 0 and png.stat().st_size > 0, done.stderr[-2000:]
 
 
+def _gemm_sweep(monkeypatch):
+    """``tools/gemm_sweep.py`` imported, on a fake device of 3 SMs (persistent grids)."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import gemm_sweep
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    props = type("Props", (), {"multi_processor_count": 3})()
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    return gemm_sweep
+
+
 @pytest.mark.parametrize("persistent", [False, True])
 @pytest.mark.parametrize("layout", ["nk", "kn"])
 def test_gemm_sweep_floor_kernel(layout, persistent, monkeypatch):
     """``gemm_sweep``'s floor (``tri`` / ``trip``: a plain Triton matmul) against float64 under
     the interpreter: ragged edges, 9 tile rows (a group of 8, then one cut short), 3 programs
     for 27 tiles when persistent. fp16: the interpreter's descriptors mishandle bf16."""
-    sys.path.insert(0, str(ROOT / "tools"))
-    try:
-        import gemm_sweep
-    finally:
-        sys.path.remove(str(ROOT / "tools"))
     from overlap.plan import Tiles
 
-    props = type("Props", (), {"multi_processor_count": 3})()
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    gemm_sweep = _gemm_sweep(monkeypatch)
     g = torch.Generator().manual_seed(7)
     x = torch.randn(272, 80, generator=g).half()
     weight = torch.randn(72, 80, generator=g).half()  # [N, K]
@@ -150,14 +156,7 @@ def test_gemm_sweep_floor_kernel(layout, persistent, monkeypatch):
 def test_gemm_sweep_floor_default_tiles(kind, monkeypatch):
     """``gemm_sweep``'s floor as ``--kernels tri`` (no tile config) builds it: the library's
     GPU tiles (256x128x64), checked against float64 under the interpreter."""
-    sys.path.insert(0, str(ROOT / "tools"))
-    try:
-        import gemm_sweep
-    finally:
-        sys.path.remove(str(ROOT / "tools"))
-
-    props = type("Props", (), {"multi_processor_count": 3})()
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    gemm_sweep = _gemm_sweep(monkeypatch)
     g = torch.Generator().manual_seed(8)
     x = torch.randn(272, 80, generator=g).half()
     w = torch.randn(72, 80, generator=g).half().t()
