@@ -66,7 +66,7 @@ from ._checks import capturing, check_operands, check_out, check_splits, num_sms
 # -- decide (stage 2) ------------------------------------------------------------------------
 class Known(NamedTuple):
     """What a call was decided to run: its plan, context and transport class (None at world
-    size 1 or on the plain path's class-less reasons) and its result's shape (the
+    size 1 or on the plain path: nothing to record or replay) and its result's shape (the
     all-gather's ``[R m, N]``)."""
 
     plan: Plan | GatherPlan
@@ -142,7 +142,7 @@ def _decide(x, w, name, group, chunks, backend, capturing: bool):
         M, N, K, world_size=R, collective=name, dtype_bits=bits, interpreter=not x.is_cuda,
         num_sms=num_sms(x.device), chunks=chunks, blocked=cls.blocked, transport=cls.name,
     )  # fmt: skip
-    return p, ctx, cls
+    return p, ctx, cls if p.path == "overlap" else None  # (a small product: the plain path)
 
 
 def how(p: Plan | GatherPlan | SplitPlan) -> str:
