@@ -438,9 +438,10 @@ def fake_cuda(monkeypatch):
 
 def test_watch_releases_a_host_held_in_the_issue(fake_cuda):
     """Found on two GPUs: a kernel's first launch after a collective stuck on a dead peer held
-    the host inside CUDA (lazy module loading waits for the device), before any wait of the
-    watch's. Here the 'issue' holds until something ends the stuck collective: only the
-    timer thread's abort can, and the call then raises ``TimeoutError``."""
+    the host inside CUDA (not lazy module loading: EAGER loading hung the same; the cause is
+    not known), before any wait of the watch's. Here the 'issue' holds until something ends
+    the stuck collective: only the timer thread's abort can, and the call then raises
+    ``TimeoutError``."""
     stream, aborted = fake_cuda, []
 
     def abort() -> None:  # ends the stuck collective: the stream's work is done
