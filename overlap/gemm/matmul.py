@@ -71,58 +71,8 @@ def _load_ab(
 
 
 @triton.jit
-def _count(counter_ptr, chunk, ASM_BARRIER: tl.constexpr, WAIT: tl.constexpr):
-    """Count one tile of ``chunk`` (nothing for -1): with ``WAIT`` the thread that issued this
-    program's TMA stores waits until they are done and fences them before the release; a CTA
-    barrier (every thread's stores issued); one release ``atomic_add`` at GPU scope."""
-    if ASM_BARRIER:
-        wait: tl.constexpr = "cp.async.bulk.wait_group 0;\n fence.proxy.async.global;\n"
-        chunk = tl.inline_asm_elementwise(
-            (wait if WAIT else "") + "bar.sync 0;\n mov.b32 $0, $1;", "=r,r", [chunk],
-            dtype=tl.int32, is_pure=False, pack=1,
-        )  # fmt: skip
-    else:
-        tl.debug_barrier()
-    tl.atomic_add(counter_ptr + tl.maximum(chunk, 0), 1, mask=chunk >= 0, sem="release",
-                  scope="gpu")  # fmt: skip
-
-
-@triton.jit
-def _store_bands(desc, band, row, n0, acc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """``acc`` at ``[band, row, n0]`` of ``desc``, a ``[bands, band_rows, N]`` view: TMA stores
-    in two halves, clipped at the band's last row."""
-    h0, h1 = tl.split(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)).permute(0, 2, 1))
-    shape: tl.constexpr = (1, BLOCK_M, BLOCK_N // 2)
-    desc.store([band, row, n0], tl.reshape(h0.to(desc.dtype), shape))
-    desc.store([band, row, n0 + BLOCK_N // 2], tl.reshape(h1.to(desc.dtype), shape))
-
-
-@triton.jit
-def _chunk_of(
-    pid,
-    N,
-    num_pid_m,
-    tiles_per_band,
-    n_bands,
-    chunk_cols,
-    BLOCK_N: tl.constexpr,
-    GROUP_M: tl.constexpr,
-):
-    """The chunk of tile ``pid`` (as ``_tile`` computes it)."""
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_pid_in_group = GROUP_M * num_pid_n
-    group_id = pid // num_pid_in_group
-    first_pid_m = group_id * GROUP_M
-    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
-    pid_n = (pid % num_pid_in_group) // group_size_m
-    launch_a = tl.minimum(pid_m // tiles_per_band, n_bands - 1)
-    return launch_a * tl.cdiv(N, chunk_cols) + (pid_n * BLOCK_N) // chunk_cols
-
-
-@triton.jit
 def _tile(
-    pid, pending, x_ref, w_ref, slots_ptr, counter_ptr, trace_ptr, bad_rows_ptr, bad_cols_ptr,
+    pid, x_ref, w_ref, slots_ptr, counter_ptr, trace_ptr, bad_rows_ptr, bad_cols_ptr,
     out_ptr, recv_ref, flags_ptr, rank, world, first_band, bands_per_block, out_row0,
     M, N, K, stride_xm, stride_xk, stride_wk, stride_wn,
     num_pid_m, tiles_per_band, run_rows_full, run_rows_last, n_bands, chunk_cols, scale,
@@ -130,8 +80,7 @@ def _tile(
     ROTATE: tl.constexpr, EPILOGUE: tl.constexpr, HAS_SCALE: tl.constexpr,
     PRECISION: tl.constexpr, TRACE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    HALVES: tl.constexpr, ASM_BARRIER: tl.constexpr, S_DESC: tl.constexpr,
-    DEFER: tl.constexpr,
+    HALVES: tl.constexpr, ASM_BARRIER: tl.constexpr,
 ):  # fmt: skip
     """Tile ``pid`` (launch order): its product to its slot, or for this rank's own block
     with an epilogue (``EPILOGUE`` not ``EPI_SLOTS``) into ``out``; then its chunk's count.
@@ -203,8 +152,6 @@ def _tile(
                 ieee = tl.dot(a, b, ieee, input_precision="tf32")
             acc = tl.where((bad_r[:, None] + bad_c[None, :]) > 0, ieee, acc)
 
-    if DEFER:  # the previous tile's count: its TMA stores are long done by now
-        _count(counter_ptr, pending, ASM_BARRIER, True)
     if HAS_SCALE:
         acc = acc * scale
     offs_i = tl.arange(0, BLOCK_M)
@@ -237,8 +184,6 @@ def _tile(
         orow = (x_row0 - out_row0 + offs_i).to(tl.int64)
         out_offs = orow[:, None] * N + offs_n[None, :]
         tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-    elif S_DESC:
-        _store_bands(slots_ptr, band_a, t * BLOCK_M, n0, acc, BLOCK_M, BLOCK_N)
     else:
         # Slot of chunk (a, b): band_rows x band_cols row-major at row0 * N + col0 * band_rows.
         slot = row0.to(tl.int64) * N + col0 * band_rows
@@ -256,14 +201,22 @@ def _tile(
         else:
             offs = slot + rows[:, None] * band_cols + (offs_n - col0)[None, :]
             tl.store(slots_ptr + offs, acc.to(slots_ptr.dtype.element_ty), mask=mask)
+    # Every thread's stores are issued before the one release atomic that counts the tile.
     chunk = launch_a * tl.cdiv(N, chunk_cols) + band_b
-    if not DEFER:
-        _count(counter_ptr, chunk, ASM_BARRIER, False)
+    if ASM_BARRIER:
+        # PTX bar.sync: tl.debug_barrier() inside a flattened tile loop stops Triton 3.6
+        # from pipelining it (one load buffer, 3.3x slower; gemm_s6_barrier.json).
+        chunk = tl.inline_asm_elementwise(
+            "bar.sync 0;\n mov.b32 $0, $1;", "=r,r", [chunk], dtype=tl.int32, is_pure=False,
+            pack=1,
+        )  # fmt: skip
+    else:
+        tl.debug_barrier()
+    tl.atomic_add(counter_ptr + chunk, 1, sem="release", scope="gpu")
     if TRACE:
         tl.store(trace_ptr + 4 * pid + 1, tl.extra.cuda.globaltimer())
         tl.store(trace_ptr + 4 * pid + 2, tl.extra.cuda.smid().to(tl.int64))
         tl.store(trace_ptr + 4 * pid + 3, chunk.to(tl.int64))
-    return chunk if DEFER else -1
 
 
 @triton.jit
@@ -277,7 +230,6 @@ def _chunked_matmul_kernel(
     EPILOGUE: tl.constexpr, HAS_SCALE: tl.constexpr, PRECISION: tl.constexpr,
     TRACE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, PERSISTENT: tl.constexpr, ASM_BARRIER: tl.constexpr,
-    S_DESC: tl.constexpr,
 ):  # fmt: skip
     # Tile ids are the launch order, so chunks finish in order. One program per tile, or
     # (PERSISTENT, the copy engines' road: no SM is needed by the communication) one program
@@ -286,57 +238,34 @@ def _chunked_matmul_kernel(
     # own block, whose fused epilogue (flag waits, partials) stays out of the flattened loop.
     if PERSISTENT:
         p0, step = tl.program_id(axis=0), tl.num_programs(axis=0)
-        pending = -1
         for pid in tl.range(p0, own_start, step, flatten=True):
-            pending = _tile(
-                pid, pending, x_ref, w_ref, slots_ptr, counter_ptr, trace_ptr, bad_rows_ptr,
-                bad_cols_ptr,
+            _tile(
+                pid, x_ref, w_ref, slots_ptr, counter_ptr, trace_ptr, bad_rows_ptr, bad_cols_ptr,
                 out_ptr, recv_ref, flags_ptr, rank, world, first_band, bands_per_block,
                 out_row0, M, N, K, stride_xm, stride_xk, stride_wk, stride_wn, num_pid_m,
                 tiles_per_band, run_rows_full, run_rows_last, n_bands, chunk_cols, scale,
                 RUNS, X_DESC, W_MODE, P_DESC, True, EPI_SLOTS, HAS_SCALE, PRECISION, TRACE,
-                BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, True, ASM_BARRIER, S_DESC, S_DESC,
+                BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, True, ASM_BARRIER,
             )  # fmt: skip
-            if S_DESC:  # count now unless the program's next tile is of the same chunk
-                nxt = pid + step
-                same = (nxt < own_start) & (
-                    _chunk_of(
-                        tl.minimum(nxt, own_start - 1),
-                        N,
-                        num_pid_m,
-                        tiles_per_band,
-                        n_bands,
-                        chunk_cols,
-                        BLOCK_N,
-                        GROUP_M,
-                    )
-                    == pending
-                )
-                if not same:
-                    _count(counter_ptr, pending, ASM_BARRIER, True)
-                pending = tl.where(same, pending, -1)
-        _count(counter_ptr, pending, ASM_BARRIER, S_DESC)  # before any own tile's flag wait
         # the same round robin goes on past own_start
         first = p0 + tl.cdiv(tl.maximum(own_start - p0, 0), step) * step
         for pid in tl.range(first, n_tiles, step):
             _tile(
-                pid, -1, x_ref, w_ref, slots_ptr, counter_ptr, trace_ptr, bad_rows_ptr,
-                bad_cols_ptr,
+                pid, x_ref, w_ref, slots_ptr, counter_ptr, trace_ptr, bad_rows_ptr, bad_cols_ptr,
                 out_ptr, recv_ref, flags_ptr, rank, world, first_band, bands_per_block,
                 out_row0, M, N, K, stride_xm, stride_xk, stride_wk, stride_wn, num_pid_m,
                 tiles_per_band, run_rows_full, run_rows_last, n_bands, chunk_cols, scale,
                 RUNS, X_DESC, W_MODE, P_DESC, True, EPILOGUE, HAS_SCALE, PRECISION, TRACE,
-                BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, True, ASM_BARRIER, S_DESC, False,
+                BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, True, ASM_BARRIER,
             )  # fmt: skip
     else:
         _tile(
-            tl.program_id(axis=0), -1, x_ref, w_ref, slots_ptr, counter_ptr, trace_ptr,
+            tl.program_id(axis=0), x_ref, w_ref, slots_ptr, counter_ptr, trace_ptr,
             bad_rows_ptr, bad_cols_ptr, out_ptr, recv_ref, flags_ptr, rank, world, first_band,
             bands_per_block, out_row0, M, N, K, stride_xm, stride_xk, stride_wk, stride_wn,
             num_pid_m, tiles_per_band, run_rows_full, run_rows_last, n_bands, chunk_cols, scale,
             RUNS, X_DESC, W_MODE, P_DESC, EPILOGUE != EPI_SLOTS, EPILOGUE, HAS_SCALE,
-            PRECISION, TRACE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, False, ASM_BARRIER, False,
-            False,
+            PRECISION, TRACE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, False, ASM_BARRIER,
         )  # fmt: skip
 
 
@@ -411,7 +340,7 @@ def chunked_matmul(
         w_ref, w_mode = _descriptor(w, [t.block_k, t.block_n]), W_KN.value
     n_tiles = plan.num_tile_rows * -(-N // t.block_n)  # triton.cdiv costs ~5 us on the host
     R = plan.world_size
-    mode, p_desc, s_desc = EPI_SLOTS.value, False, False
+    mode, p_desc = EPI_SLOTS.value, False
     interpret = knobs.runtime.interpret
     # Persistent programs on the copy engines' road only (module docstring). The tf32x3
     # tiles' second K loop stays out of the flattened loop.
@@ -427,13 +356,6 @@ def chunked_matmul(
         if p_desc:  # the peers' partials through TMA
             recv = _descriptor(recv, [t.block_m, t.block_n])
         out_row0 = epilogue.rank * (M // R) if plan.spec.scatters else 0
-        # The peers' tiles through TMA stores where the slots allow: viewed as [bands,
-        # band_rows, N] (the blocked plan's bands are equal and span N), so a box past a band's
-        # last row is clipped, not written into the next band.
-        rr = plan.run_rows
-        s_desc = persistent and _tma_ok(slots[: M * N].view(M, N))
-        if s_desc:
-            slots = _descriptor(slots[: M * N].view(M // rr, rr, N), [1, t.block_m, t.block_n // 2])
         e_args = (epilogue.out, recv, epilogue.flags, epilogue.rank, R,
                   first_band(epilogue.rank, R, b), b, out_row0)  # fmt: skip
     args = (
@@ -449,7 +371,6 @@ def chunked_matmul(
         HAS_SCALE=scale is not None, PRECISION="tf32x3" if tf32x3 else "tf32",
         TRACE=trace is not None, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
         GROUP_M=plan.group_m, PERSISTENT=persistent, ASM_BARRIER=persistent and not interpret,
-        S_DESC=s_desc,
     )  # fmt: skip
     if not persistent:
         return _launch(n_tiles, args, consts, t.num_warps, t.num_stages)
