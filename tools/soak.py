@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 import overlap
 from overlap.bench import need_gpus
+from overlap.context import records
 from overlap.plan import make_split_plan
 
 SHAPES = [  # (M, K, N)
@@ -175,6 +176,19 @@ def _one_call(rng, gen, dev, R):
     return dtype, err, p, op
 
 
+def _sample(done: int) -> dict:
+    """GPU memory after ``done`` calls, with the recorded calls that may hold some of it (their
+    graphs' pools: ``ops/_record.py``, at most ``MAX_RECORDS``)."""
+    graphs = sum(r.graph is not None for r in records.values())
+    return {
+        "call": done,
+        "allocated": torch.cuda.memory_allocated(),
+        "reserved": torch.cuda.memory_reserved(),
+        "records": len(records),
+        "graphs": graphs,
+    }
+
+
 def main() -> None:
     """Parses the arguments, runs the soak as this torchrun worker, reports on rank 0."""
     ap = argparse.ArgumentParser(
@@ -210,7 +224,7 @@ def main() -> None:
                 break
             overlap.configure(validate=(done // BLOCK) % 2 == 1, timeout=60)
             torch.cuda.synchronize()
-            memory.append((done, torch.cuda.memory_allocated(), torch.cuda.memory_reserved()))
+            memory.append(_sample(done))
         dtype, err, p, op = _one_call(rng, gen, dev, R)
         key = f"{p.collective} {str(dtype)[6:]}"
         worst[key] = max(worst.get(key, 0.0), err)
@@ -220,12 +234,12 @@ def main() -> None:
             failures.append(f"call {done}: {p.describe()} op={op} {dtype}: error {err:.3g}")
         done += 1
     torch.cuda.synchronize()
-    memory.append((done, torch.cuda.memory_allocated(), torch.cuda.memory_reserved()))
+    memory.append(_sample(done))
     elapsed = time.monotonic() - t0
     all_fail = [None] * R
     dist.all_gather_object(all_fail, failures)
     if rank == 0:
-        after_warmup = [m[1] for m in memory[1:]]
+        after_warmup = [m["allocated"] for m in memory[1:]]
         result = {
             "calls": done,
             "seconds": round(elapsed, 1),
@@ -234,7 +248,7 @@ def main() -> None:
             "failures": [f for fs in all_fail for f in fs][:50],
             "n_failures": sum(len(fs) for fs in all_fail),
             "worst_error_rank0": {k: float(f"{v:.3g}") for k, v in sorted(worst.items())},
-            "memory_rank0": [{"call": c, "allocated": m, "reserved": r} for c, m, r in memory],
+            "memory_rank0": memory,
             "allocated_spread_after_first_block": (
                 max(after_warmup) - min(after_warmup) if after_warmup else 0
             ),
