@@ -1,7 +1,10 @@
 """Soak run: thousands of overlapped calls with mixed shapes, collectives (the all-gather's
 ``all_gather_matmul``, the uneven all-to-all, the MoE ops and the embedding-bag all-to-all
 too), dtypes, chunk counts and ops, every result checked against the
-plain torch path in fp32, memory tracked.
+plain torch path in fp32, memory tracked. Half the cases are issued ``REPEATS`` times in a row
+with the same weight and fresh inputs, as a model's layer is: through the copy engines the
+second call records a CUDA graph and the third replays it, pointed at the new input and
+output (``ops/_record.py``); the JSON counts the replayed calls.
 
     torchrun --nproc-per-node=2 tools/soak.py --seconds 90
 
@@ -49,6 +52,7 @@ TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 # between blocks (a 100 s soak on 2x H200 ran 250 calls, 2026-11-26: blocks of 250 never
 # turned validation on)
 BLOCK = 50
+REPEATS = 3  # a repeated case's calls: the first eager, the second recorded, the rest replayed
 ON_HOST = False  # --one-gpu: gloo takes the references' collectives on host tensors
 
 
@@ -112,9 +116,10 @@ def _bags_call(rng, gen, dev, R):
     return dtype, ((got.float() - ref).norm() / ref.norm()).item(), p, "sum"
 
 
-def _one_call(rng, gen, dev, R):
+def _one_call(rng, gen, dev, R, keep: dict):
     """Draw a case, run it, check it: ``(key, error, plan, op)``. Inputs die on return, so
-    memory measured between calls is what the library keeps."""
+    memory measured between calls is what the library keeps; the weight is kept in ``keep``
+    (empty for a new case) for the case's repeats."""
     if rng.random() < 0.1:
         return _bags_call(rng, gen, dev, R)
     M, K, N = rng.choice(SHAPES)
@@ -131,8 +136,10 @@ def _one_call(rng, gen, dev, R):
         splits = (S[me], [S[a][me] for a in range(R)])
         rows = sum(S[me])
     x = torch.randn(rows, K, device=dev, generator=gen, dtype=dtype)
-    w = torch.randn(N, K, device=dev, generator=gen, dtype=dtype) / K**0.5
-    w = w.t() if transposed else w.t().contiguous()
+    w = keep.get("w")
+    if w is None:  # (a repeat of the case reuses its weight: the same signature)
+        w = torch.randn(N, K, device=dev, generator=gen, dtype=dtype) / K**0.5
+        w = keep["w"] = w.t() if transposed else w.t().contiguous()
     moe = rng.random() if splits is not None else 1.0
     if moe < 0.25:  # the MoE dispatch: two experts, w and -w, ids per received row
         p = make_split_plan(*map(tuple, splits), N, K, chunks=chunks, transport="torch")
@@ -213,7 +220,8 @@ def main() -> None:
     gen = torch.Generator(device=dev).manual_seed(a.seed + 1000 * rank)
     failures, worst, paths, memory = [], {}, {"overlap": 0, "fallback": 0}, []
     t0 = time.monotonic()
-    done = validated = 0
+    done = validated = left = 0
+    overlap.stats(reset=True)
     while done < a.calls:
         if done % BLOCK == 0:
             stop = torch.tensor(
@@ -225,7 +233,13 @@ def main() -> None:
             overlap.configure(validate=(done // BLOCK) % 2 == 1, timeout=60)
             torch.cuda.synchronize()
             memory.append(_sample(done))
-        dtype, err, p, op = _one_call(rng, gen, dev, R)
+        if left == 0:  # a new case, issued once or REPEATS times (the same draws each time)
+            left = REPEATS if rng.random() < 0.5 else 1
+            case, keep = rng.getstate(), {}
+        else:
+            rng.setstate(case)
+        left -= 1
+        dtype, err, p, op = _one_call(rng, gen, dev, R, keep)
         key = f"{p.collective} {str(dtype)[6:]}"
         worst[key] = max(worst.get(key, 0.0), err)
         paths[p.path] += 1
@@ -245,6 +259,12 @@ def main() -> None:
             "seconds": round(elapsed, 1),
             "paths": paths,
             "validated_calls": validated,
+            "replayed_calls_rank0": sum(
+                n
+                for hows in overlap.stats().values()
+                for how, n in hows.items()
+                if how.startswith("replayed")
+            ),
             "failures": [f for fs in all_fail for f in fs][:50],
             "n_failures": sum(len(fs) for fs in all_fail),
             "worst_error_rank0": {k: float(f"{v:.3g}") for k, v in sorted(worst.items())},
