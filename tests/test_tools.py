@@ -9,11 +9,13 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import random
 import subprocess
 import sys
 
 import pytest
 import torch
+from _dist import spawn
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TOOLS = sorted(p for p in (ROOT / "tools").iterdir() if p.suffix in (".py", ".sh")
@@ -188,3 +190,36 @@ def test_kernel_report_no_spills_no_serialized_wgmma():
         assert spilled == 0, f"{key} spills: {done.stdout}"
         assert "C7515" not in warnings, f"{key}: {done.stdout}"
     assert rows["ce", 2][0] > rows["ar", 2][0], done.stdout
+
+
+def _soak_cases(rank: int, R: int) -> list[str]:
+    """Sixteen calls of the soak's schedule on CPU ranks (tiny fp32 shapes, the interpreter):
+    each repeat of a case draws the same choices, reuses the case's weight tensor (the same
+    signature, so on a GPU the copy engines record, then replay) and is right."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import soak
+
+    soak.SHAPES, soak.DTYPES = [(64, 32, 48), (30, 20, 40)], [torch.float32]
+    rng, gen = random.Random(3), torch.Generator().manual_seed(rank)
+    schedule, failures, calls = soak.cases(rng), [], []
+    for i in range(16):
+        keep = next(schedule)
+        dtype, err, p, op = soak._one_call(rng, gen, torch.device("cpu"), R, keep)
+        calls.append((keep, p.describe(), op, keep.get("w")))
+        if not err < soak.TOL[dtype]:
+            failures.append(f"call {i}: {p.describe()}: error {err}")
+    repeated = 0
+    for (k0, *first), (k1, *then) in zip(calls, calls[1:], strict=False):
+        if k1 is k0:  # a repeat of the case before
+            repeated += 1
+            if then[:2] != first[:2] or then[2] is not first[2]:
+                failures.append(f"a repeat differs from its case: {first[:2]} -> {then[:2]}, "
+                                f"the same weight: {then[2] is first[2]}")  # fmt: skip
+    if repeated < 4:
+        failures.append(f"{repeated} repeats in 16 calls")
+    return failures
+
+
+def test_soak_repeats_cases(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    spawn(_soak_cases, 2)

@@ -27,6 +27,7 @@ import os
 import pathlib
 import random
 import time
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -183,6 +184,18 @@ def _one_call(rng, gen, dev, R, keep: dict):
     return dtype, err, p, op
 
 
+def cases(rng: random.Random) -> Iterator[dict]:
+    """The ``keep`` argument of each ``_one_call``, with ``rng`` set for it: a new case (an
+    empty dict) is issued once or, half the time, ``REPEATS`` times, each repeat drawing the
+    same choices from ``rng`` and sharing the case's dict (its weight)."""
+    while True:
+        n = REPEATS if rng.random() < 0.5 else 1
+        case, keep = rng.getstate(), {}
+        for _ in range(n):
+            rng.setstate(case)
+            yield keep
+
+
 def _sample(done: int) -> dict:
     """GPU memory after ``done`` calls, with the recorded calls that may hold some of it (their
     graphs' pools: ``ops/_record.py``, at most ``MAX_RECORDS``)."""
@@ -220,7 +233,8 @@ def main() -> None:
     gen = torch.Generator(device=dev).manual_seed(a.seed + 1000 * rank)
     failures, worst, paths, memory = [], {}, {"overlap": 0, "fallback": 0}, []
     t0 = time.monotonic()
-    done = validated = left = 0
+    done = validated = 0
+    schedule = cases(rng)
     overlap.stats(reset=True)
     while done < a.calls:
         if done % BLOCK == 0:
@@ -233,13 +247,7 @@ def main() -> None:
             overlap.configure(validate=(done // BLOCK) % 2 == 1, timeout=60)
             torch.cuda.synchronize()
             memory.append(_sample(done))
-        if left == 0:  # a new case, issued once or REPEATS times (the same draws each time)
-            left = REPEATS if rng.random() < 0.5 else 1
-            case, keep = rng.getstate(), {}
-        else:
-            rng.setstate(case)
-        left -= 1
-        dtype, err, p, op = _one_call(rng, gen, dev, R, keep)
+        dtype, err, p, op = _one_call(rng, gen, dev, R, next(schedule))
         key = f"{p.collective} {str(dtype)[6:]}"
         worst[key] = max(worst.get(key, 0.0), err)
         paths[p.path] += 1
