@@ -103,6 +103,60 @@ def test_backward_two_ranks(use_full):
     spawn(_backward, 2, random.randrange(1 << 30), use_full)
 
 
+def _list_case(rank, R, seed, adjacent):
+    """``all_gather_matmul(x, [w_0, w_1, w_2])``: the products, ``x_full`` and every gradient
+    against float64, one call each way (one gather, one reduce-scatter of the summed input
+    gradients), and the weights side by side without a copy where they are adjacent."""
+    from overlap.ops.gather import side_by_side
+
+    g = torch.Generator().manual_seed(seed)
+    K, m, widths = 24, 20, (16, 8, 12)
+    xs = [torch.randn(m, K, generator=g) for _ in range(R)]
+    whole = [torch.randn(sum(widths), K, generator=g) for _ in range(R)]  # rows: w_i^T
+    gs = [[torch.randn(R * m, n, generator=g) for n in widths] for _ in range(R)]
+    Xs = [x.double().requires_grad_() for x in xs]
+    Ws = [[p.double().requires_grad_() for p in w.split(widths)] for w in whole]
+    Xf = torch.cat(Xs)
+    sum((Xf @ p.t() * gi.double()).sum() for r in range(R)
+        for p, gi in zip(Ws[r], gs[r], strict=True)).backward()  # fmt: skip
+    if adjacent:  # nn.Linear weights that are views of one tensor (as share_input makes them)
+        params = [torch.nn.Parameter(p) for p in whole[rank].clone().split(widths)]
+    else:
+        params = [torch.nn.Parameter(p.clone()) for p in whole[rank].split(widths)]
+    x = xs[rank].clone().requires_grad_()
+    name = f"list of weights adjacent={adjacent} rank {rank}"
+    failures = []
+    joined = side_by_side([p.t() for p in params])
+    if (joined.data_ptr() == params[0].data_ptr()) != adjacent:
+        failures.append(f"{name}: side_by_side {'copied' if adjacent else 'did not copy'}")
+    overlap.stats(reset=True)
+    ys, full = overlap.all_gather_matmul(x, [p.t() for p in params], return_gathered=True)
+    sum((y * gi).sum() for y, gi in zip(ys, gs[rank], strict=True)).backward()
+    calls = sum(sum(h.values()) for h in overlap.stats(reset=True).values())
+    if calls != 2:
+        failures.append(f"{name}: {calls} calls of the library's ops, expected 2")
+    checks = [("x_full", full, Xf), ("dx", x.grad, Xs[rank].grad)]
+    for i, (y, p) in enumerate(zip(ys, params, strict=True)):
+        checks += [(f"y[{i}]", y, Xf @ Ws[rank][i].t()), (f"dw[{i}]", p.grad, Ws[rank][i].grad)]
+    for what, got, want in checks:
+        why = "None" if got is None else mismatch(got.detach(), want.detach(), TOL[torch.float32])
+        failures += [f"{name}: {what}: {why}"] if why else []
+    with torch.no_grad():  # without autograd: the same products
+        ys = overlap.all_gather_matmul(xs[rank], [p.t() for p in params])
+    for i, y in enumerate(ys):
+        why = mismatch(y, Xf.detach() @ Ws[rank][i].detach().t(), TOL[torch.float32])
+        failures += [f"{name}: no_grad y[{i}]: {why}"] if why else []
+    return failures
+
+
+def _lists(rank, R, seed):
+    return _list_case(rank, R, seed, True) + _list_case(rank, R, seed + 1, False)
+
+
+def test_list_of_weights_gathers_once():
+    spawn(_lists, 2, random.randrange(1 << 30))
+
+
 def _errors(rank, R):
     x, w = torch.randn(6, 8), torch.randn(8, 4)
     failures = []
@@ -112,6 +166,9 @@ def _errors(rank, R):
         ((x, w.half()), {}, TypeError, "w.dtype"),
         ((x, w), {"group": "tp"}, TypeError, "group must be"),
         ((x, w), {"backend": "nvshmem"}, ValueError, "backend must be"),
+        ((x, []), {}, ValueError, "w: an empty list"),
+        ((x, [w, w]), {"out": torch.empty(12, 8)}, ValueError, "out= takes one weight"),
+        ((x, [w, torch.randn(7, 4)]), {}, ValueError, "w[1]: K mismatch"),
     ):
         try:
             overlap.all_gather_matmul(*args, **kw)

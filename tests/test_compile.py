@@ -61,10 +61,11 @@ def test_compile_fullgraph(backend):
 
 def _compiled_gather_and_layers(rank, R, seed, backend):
     """``all_gather_matmul`` (forward and backward) and both layers with and without
-    sequence parallelism under ``torch.compile(fullgraph=True)``, against float64."""
+    sequence parallelism (the column layers sharing their input) under
+    ``torch.compile(fullgraph=True)``, against float64."""
     from torch import nn
 
-    from overlap.nn import ColumnParallelLinear, RowParallelLinear
+    from overlap.nn import ColumnParallelLinear, RowParallelLinear, share_input
 
     torch._dynamo.config.cache_size_limit = 64
     failures = []
@@ -92,35 +93,41 @@ def _compiled_gather_and_layers(rank, R, seed, backend):
         why = mismatch(got, want, TOL[torch.float32])
         failures += [f"all_gather_matmul {what} rank {rank}: {why}"] if why else []
 
-    # a column layer, then a row layer (the MLP of a transformer block), both ways
+    # the MLP of a transformer block, gate and up sharing their input, both ways
     for sp in (False, True):
-        col_full, row_full = nn.Linear(24, 64), nn.Linear(64, 24)
-        for p in (*col_full.parameters(), *row_full.parameters()):
+        fulls = [nn.Linear(24, 64), nn.Linear(24, 64), nn.Linear(64, 24)]  # gate, up, down
+        for p in (p for m in fulls for p in m.parameters()):
             with torch.no_grad():
                 p.copy_(torch.randn(p.shape, generator=g))
         x_full = torch.randn(2 * R * 8, 3, 24, generator=g)  # [s, b, h]
         g_full = torch.randn(2 * R * 8, 3, 24, generator=g)
-        ref_col, ref_row = (copy_double(m) for m in (col_full, row_full))
+        refs = [copy_double(m) for m in fulls]
         xr = x_full.double().requires_grad_()
-        (ref_row(torch.relu(ref_col(xr))) * g_full.double()).sum().backward()
-        col = ColumnParallelLinear.from_linear(col_full, sequence_parallel=sp)
-        row = RowParallelLinear.from_linear(row_full, sequence_parallel=sp)
+        y_ref = refs[2](torch.nn.functional.silu(refs[0](xr)) * refs[1](xr))
+        (y_ref * g_full.double()).sum().backward()
+        gate, up = (ColumnParallelLinear.from_linear(m, sequence_parallel=sp) for m in fulls[:2])
+        down = RowParallelLinear.from_linear(fulls[2], sequence_parallel=sp)
+        share_input(gate, up)
 
         @torch.compile(fullgraph=True, backend=backend)
-        def mlp(t, col=col, row=row):
-            return row(torch.relu(col(t)))
+        def mlp(t, gate=gate, up=up, down=down):
+            return down(torch.nn.functional.silu(gate(t)) * up(t))
 
         T = x_full.shape[0] // R
         mine = slice(rank * T, (rank + 1) * T) if sp else slice(None)
         xin = x_full[mine].clone().requires_grad_()
+        overlap.stats(reset=True)
         out = mlp(xin)
         (out * g_full[mine]).sum().backward()
+        calls = sum(sum(h.values()) for h in overlap.stats(reset=True).values())
+        if calls != (4 if sp else 2):  # gate and up: one gather (sp) and one input gradient
+            failures.append(f"layers sp={sp} rank {rank}: {calls} calls of the library's ops")
         n = 64 // R
         cols = slice(rank * n, (rank + 1) * n)
-        checks = (("y", out.detach(), (ref_row(torch.relu(ref_col(xr))))[mine].detach()),
-                  ("dx", xin.grad, xr.grad[mine]),
-                  ("col dw", col.weight.grad, ref_col.weight.grad[cols]),
-                  ("row dw", row.weight.grad, ref_row.weight.grad[:, cols]))  # fmt: skip
+        checks = (("y", out.detach(), y_ref[mine].detach()), ("dx", xin.grad, xr.grad[mine]),
+                  ("gate dw", gate.weight.grad, refs[0].weight.grad[cols]),
+                  ("up dw", up.weight.grad, refs[1].weight.grad[cols]),
+                  ("down dw", down.weight.grad, refs[2].weight.grad[:, cols]))  # fmt: skip
         for what, got, want in checks:
             why = mismatch(got, want, TOL[torch.float32])
             failures += [f"layers sp={sp} {what} rank {rank}: {why}"] if why else []

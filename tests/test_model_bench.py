@@ -1,6 +1,8 @@
-"""No devices: ``tools/model_bench.py`` on 2 CPU ranks (gloo, Triton's interpreter), one layer,
-one timed call per row: both modes, both sequence-parallel settings, and the overlap mode's
-output and gradients equal to the plain mode's."""
+"""No devices: ``tools/model_bench.py`` on 2 CPU ranks (gloo, Triton's interpreter), one
+layer, the compiled modes run eagerly (``--eager``), one timed call per row: every mode that
+runs on CPU in both layouts, each agreeing with plain tensor parallelism (the bench fails
+otherwise, and the JSON's errors say so), async-TP skipped with its reason, and
+``--breakdown``'s every op of a layer with the library's result equal to plain's."""
 
 from __future__ import annotations
 
@@ -18,16 +20,22 @@ def test_model_bench_cpu(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # it sets its own
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])  # this overlap
     out = tmp_path / "m.json"
-    cmd = [sys.executable, str(TOOL), "--cpu", "--layers", "1", "--iters", "1", "--warmup", "0",
-           "--out", str(out)]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    cmd = [sys.executable, str(TOOL), "--cpu", "--eager", "--layers", "1", "--iters", "1",
+           "--warmup", "0", "--breakdown", "--out", str(out)]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     res = json.loads(out.read_text())
     assert res["timing_meaningful"] is False and res["world_size"] == 2
-    got = {(r["mode"], r["sequence_parallel"]) for r in res["rows"]}
-    assert got == {(m, sp) for m in ("plain", "overlap") for sp in (False, True)}
-    assert all(r["prefill_tok_s"] > 0 and r["train_tok_s"] > 0 for r in res["rows"])
-    assert set(res["errors"]) == {"sp=0", "sp=1"}
+    modes = ("plain", "plain_sp", "nocomm", "overlap", "overlap_sp", "overlap_sp_c", "torch_tp")
+    got = {(r["layout"], r["mode"]) for r in res["rows"]}
+    assert got == {(lay, m) for lay in ("fused", "separate") for m in modes}
+    assert "P2P" in res["skipped"]["async_tp"]
+    assert all(r["prefill_ms"] > 0 and r["train_ms"] > 0 for r in res["rows"])
+    checked = {(lay, m) for lay in ("fused", "separate") for m in modes if m != "nocomm"}
+    assert set(res["errors"]) == {f"{lay}/{m}" for lay, m in checked}
     for errs in res["errors"].values():
         assert set(errs) == {"output", "input_grad", "weight_grad"}
         assert all(e < res["tolerance"] <= 1e-4 for e in errs.values()), res["errors"]
+    ops = res["breakdown"]["ops"]
+    assert len(ops) == 12 and {o["layout"] for o in ops} == {"nk", "kn"}
+    assert all(o["error"] < 1e-5 for o in ops), [(o["op"], o["error"]) for o in ops]

@@ -1,10 +1,13 @@
 """``overlap.nn`` on 2 and 4 gloo ranks (the kernels in Triton's interpreter): every layer
 variant's output and gradients (input, weight, bias) against float64 autograd of the unsharded
-``nn.Linear`` it was cut from; world size 1 computes ``nn.Linear``; bad sizes, a non-Linear
-to ``from_linear`` and a layer made before the process group raise."""
+``nn.Linear`` it was cut from; column layers sharing their input (``share_input``): the same
+results with one collective each way, their weights one tensor, and calls that do not share
+an input still exact; world size 1 computes ``nn.Linear``; bad sizes, a non-Linear to
+``from_linear`` and a layer made before the process group raise."""
 
 from __future__ import annotations
 
+import copy
 import random
 import time
 
@@ -13,7 +16,8 @@ import torch
 from _dist import mismatch, spawn
 from torch import nn
 
-from overlap.nn import ColumnParallelLinear, RowParallelLinear
+import overlap
+from overlap.nn import ColumnParallelLinear, RowParallelLinear, share_input
 
 TOL = 1e-5
 
@@ -99,6 +103,98 @@ def _layers(rank, R, seed):
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_layers_match_the_unsharded_linear(world_size):
     spawn(_layers, world_size, random.randrange(1 << 30))
+
+
+def _calls() -> int:
+    """The library's op calls since the last count (``overlap.stats``), every path."""
+    return sum(sum(hows.values()) for hows in overlap.stats(reset=True).values())
+
+
+def _siblings_case(rank, R, seed, sp):
+    """q/k/v-like column layers (with biases) sharing one input, against float64 autograd of
+    the unsharded layers; a failure message or None."""
+    g = torch.Generator().manual_seed(seed)
+    fulls = [nn.Linear(24, n) for n in (8 * R, 4 * R, 4 * R)]
+    for p in (p for f in fulls for p in f.parameters()):
+        with torch.no_grad():
+            p.copy_(torch.randn(p.shape, generator=g))
+    x_full = torch.randn(4 * R, 3, 24, generator=g)  # [s, b, h]
+    gs = [torch.randn(4 * R, 3, f.out_features, generator=g) for f in fulls]
+    refs = [copy.deepcopy(f).double() for f in fulls]
+    xr = x_full.double().requires_grad_()
+    sum((r(xr) * gi.double()).sum() for r, gi in zip(refs, gs, strict=True)).backward()
+    layers = [ColumnParallelLinear.from_linear(f, sequence_parallel=sp) for f in fulls]
+    weights = [layer.weight for layer in layers]
+    share_input(*layers)
+    name = f"share_input sp={sp} rank={rank}"
+    fused = weights[0].data_ptr()
+    for i, layer in enumerate(layers):
+        if layer.weight is not weights[i]:
+            return f"{name}: layer {i}'s weight is another Parameter"
+        if layer.weight.data_ptr() != fused:
+            return f"{name}: layer {i}'s weight is not next to the previous one"
+        fused += layer.weight.numel() * layer.weight.element_size()
+    T = x_full.shape[0] // R
+    mine = slice(rank * T, (rank + 1) * T) if sp else slice(None)
+    for step in range(2):  # (the second step: the products of the first were all taken)
+        for layer in layers:
+            layer.zero_grad()
+        x = x_full[mine].clone().requires_grad_()
+        _calls()
+        ys = [layer(x) for layer in layers]
+        loss = 0
+        for y, layer, gi in zip(ys, layers, gs, strict=True):
+            n = layer.weight.shape[0]
+            loss = loss + (y * gi[..., rank * n : (rank + 1) * n]).sum()
+        loss.backward()
+        calls, want = _calls(), 2 if sp else 1  # sp: a gather, a reduce-scatter; else all-reduce
+        if calls != want:
+            return f"{name} step {step}: {calls} calls of the library's ops, expected {want}"
+        for i, (y, layer, ref) in enumerate(zip(ys, layers, refs, strict=True)):
+            n = layer.weight.shape[0]
+            cols = slice(rank * n, (rank + 1) * n)
+            for what, got, want in (("y", y, ref(xr)[..., cols]),
+                                    ("dweight", layer.weight.grad, ref.weight.grad[cols]),
+                                    ("dbias", layer.bias.grad, ref.bias.grad[cols])):  # fmt: skip
+                why = mismatch(got.detach(), want.detach(), TOL)
+                if why:
+                    return f"{name} step {step}: layer {i} {what}: {why}"
+        why = mismatch(x.grad, xr.grad[mine], TOL)
+        if why:
+            return f"{name} step {step}: dx: {why}"
+    # not one input: layer 1 on another tensor while layer 2 has not taken its product
+    other_full = x_full.flip(0)
+    x, other = x_full[mine].clone(), other_full[mine].clone()
+    calls = ((0, x, x_full), (1, other, other_full), (2, x, x_full), (2, other, other_full))
+    ys = [layers[i](inp) for i, inp, _ in calls]
+    for j, (y, (i, _, whole)) in enumerate(zip(ys, calls, strict=True)):
+        n = layers[i].weight.shape[0]
+        rows = slice(None) if sp else mine  # (sequence parallel: every token's output)
+        want = refs[i](whole.double())[rows][..., rank * n : (rank + 1) * n]
+        why = mismatch(y.detach(), want.detach(), TOL)
+        if why:
+            return f"{name}: call {j} of layers on two inputs: {why}"
+    if layers[0].siblings.shared:
+        return f"{name}: still sharing after calls on two inputs"
+    return None
+
+
+def _siblings(rank, R, seed):
+    failures = []
+    for i, sp in enumerate((False, True)):
+        msg = _siblings_case(rank, R, seed + i, sp)
+        failures += [msg] if msg else []
+    layers = [ColumnParallelLinear(8, 2 * R), ColumnParallelLinear(6, 2 * R)]
+    try:
+        share_input(*layers)
+        failures.append("in_features 8 and 6: no error")
+    except ValueError as e:
+        failures += [] if "in_features" in str(e) else [f"unclear error: {e}"]
+    return failures
+
+
+def test_share_input(world_size=2):
+    spawn(_siblings, world_size, random.randrange(1 << 30))
 
 
 def test_world_size_one_computes_nn_linear():

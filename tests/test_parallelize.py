@@ -17,6 +17,7 @@ import torch
 from _dist import mismatch, spawn
 from torch import nn
 
+import overlap
 from overlap.nn import ColumnParallelLinear, RowParallelLinear, parallelize
 
 transformers = pytest.importorskip("transformers")
@@ -76,11 +77,20 @@ def _family_case(rank: int, R: int, family: str, sp: bool, seed: int) -> list[st
     ids = torch.randint(0, ref.config.vocab_size, (2, 8), generator=g)  # [b, s]
     weights = torch.randn(2, 8, ref.config.vocab_size, generator=g)  # d loss / d logits
     failures = []
-    logits_ref, logits = ref(ids).logits, model(ids).logits
+    logits_ref = ref(ids).logits
+    overlap.stats(reset=True)
+    logits = model(ids).logits
     why = mismatch(logits.detach(), logits_ref.detach(), TOL)
     failures += [f"{name}: logits: {why}"] if why else []
     (logits_ref * weights.double()).sum().backward()
     (logits * weights).sum().backward()
+    if family != "phi3":  # q/k/v share one input and gate/up another (share_input): per
+        # layer, without sequence parallelism o and down all-reduce and the two groups' input
+        # gradients are all-reduced; with it, each of the four also has its mirror op
+        calls = sum(sum(h.values()) for h in overlap.stats(reset=True).values())
+        if calls != layers * (8 if sp else 4):
+            failures.append(f"{name}: {calls} calls of the library's ops in a step, expected "
+                            f"{layers * (8 if sp else 4)}")  # fmt: skip
     grads_ref = dict(ref.named_parameters())
     for pname, p in model.named_parameters():
         want = _shard_of(model, pname, grads_ref[pname].grad, rank, R)

@@ -1,40 +1,56 @@
-"""Model-level benchmark: a stack of L tensor-parallel Llama-style decoder layers (the layer of
-``examples/tp_transformer.py``) in two modes, tokens per second and the speedup.
+"""The model step: a stack of Llama-style decoder layers, tensor-parallel every way a user
+could run it, checked against each other and timed in one run.
 
-- ``plain``: the linears as plain torch (Megatron's conventions): column = ``x @ w.t()``
-  (sequence parallel: ``all_gather_into_tensor`` of the tokens first), input gradient
-  all-reduced (reduce-scattered); row = matmul then ``all_reduce`` (``reduce_scatter_tensor``),
-  gradient all-gathered under sequence parallelism.
-- ``overlap``: ``overlap.nn.ColumnParallelLinear`` / ``RowParallelLinear``.
+Modes (each from the same unsharded weights, every rank holding its shard):
 
-Both modes are sharded from one unsharded stack (same seed on every rank). Per mode and
-sequence-parallel setting: ``prefill`` (forward under ``no_grad``) and ``train`` (forward +
-backward of ``(y * g).sum()``), the median over ``--iters``; tokens/s = ``--seq`` / time. The
-overlap mode's output, input and weight gradients are checked against the plain mode's once
-per setting (relative norm error, 1e-4 fp32, 3e-2 bf16/fp16; above it the run fails). Rank 0
-prints a table and writes ``--out``. The linears carry no bias (the example's ``o`` bias is
-dropped). torch's async-TP is not a mode yet (to be added where it runs, on 2+ GPUs).
+==================  ===========================================================================
+``plain``           Megatron's tensor parallelism in plain torch, eager: column linears on the
+                    whole input (its gradient all-reduced once per module), row linears
+                    all-reduced
+``plain_sp``        the same with sequence parallelism: each module's input all-gathered once
+                    (its gradient reduce-scattered), row linears reduce-scattered
+``nocomm``          ``plain`` with every collective skipped: the same compute, the ceiling
+``overlap``         ``overlap.nn`` layers, eager (separate projections share their input:
+                    ``overlap.nn.share_input``)
+``overlap_sp``      the same with sequence parallelism
+``overlap_sp_c``    ``overlap_sp`` under ``torch.compile``
+``torch_tp``        torch's own TP + SP (DTensor, ``parallelize_module`` with torchtitan's plan:
+                    ``SequenceParallel`` norms, ``PrepareModuleInput``, ``ColwiseParallel``,
+                    ``RowwiseParallel(output_layouts=Shard(0))``), ``torch.compile``
+``async_tp``        ``torch_tp`` with inductor's micro-pipeline TP and symmetric memory
+                    (async-TP; CUDA with P2P only)
+==================  ===========================================================================
+
+Layouts: ``fused`` (one ``wqkv`` and one ``w13`` per layer, as Megatron and torchtitan lay
+them out, the rows of each rank's q/k/v and gate/up adjacent so that every framework's plain
+row split gives each rank its own heads) and ``separate`` (``wq``, ``wk``, ``wv``, ``w1``,
+``w3``). Tokens ``[T, hidden]`` (one sequence; sequence parallel: this rank's ``T / R``
+rows), causal attention with grouped KV heads, SwiGLU, RMSNorm, no biases.
+
+Per layout and mode: ``prefill`` (forward under ``no_grad``) and ``train`` (forward +
+backward of ``(y * g).sum()``), median ms over ``--iters`` after ``--warmup`` (compiles
+happen there), the slowest rank's; speedups over ``plain``, ``torch_tp`` and ``async_tp``.
+Every mode's output, input gradient and linear weights' gradients are checked against
+``plain``'s (relative norm error under 3e-2 for 16-bit, 1e-4 for fp32, or the run fails;
+``nocomm`` is not checked: it sums nothing; the norms' weights are left out: under sequence
+parallelism their gradients are per-rank partial sums).
+
+``--breakdown`` (after the modes): every collective op of a layer's forward and backward,
+with and without sequence parallelism, at this run's shapes and in the layout autograd uses
+(the backward multiplies by ``weight`` itself, not ``weight.t()``): cuBLAS alone, the
+library's kernel alone, the collective alone, plain (cuBLAS, then the collective), the
+library's op, host ms per call of each, and their results against each other; then a
+profile of one training step of ``plain_sp`` and ``overlap_sp`` (and without SP): GPU time
+by kind of kernel and the top kernels.
 
     python tools/model_bench.py                    # no GPU (or --cpu): 2 CPU ranks, gloo,
                                                    # Triton's interpreter, small sizes
+    torchrun --nproc-per-node=N tools/model_bench.py [--dims 70b] [--breakdown]
     NCCL_P2P_DISABLE=1 torchrun --nproc-per-node=2 tools/model_bench.py --one-gpu
-    torchrun --nproc-per-node=N tools/model_bench.py --layers 2 --seq 4096
 
-On GPUs each mode also gets its host time (``prefill_host_ms``, ``train_host_ms``, and
-``_min``: the median and least wall time to issue one prefill forward, one training step, the
-slowest rank's; ``host_ratio_*``: the median over rounds of the library's time over plain
-torch's in the same round) with the GPU kept ahead: every issue follows a
-``torch.cuda._sleep`` longer than it takes, the four issues of a round alternate in order,
-and an issue that the GPU caught up with (its event after the sleep done before the issue
-ended) is counted in ``host_issues_caught_up``. ``--profile PATH``: rank 0's cProfile of the
-library's training step (the backward on the calling thread), own time first.
-
-CPU and ``--one-gpu`` (two ranks time-slicing GPU 0 over gloo) check correctness only: their
-JSON says ``"timing_meaningful": false``. Host times are meaningful on ``--one-gpu`` too, but
-gloo's collectives on CUDA tensors wait on the host for the GPU, so there torch's collectives
-(the plain mode's and the library's plain-path ones) are issued on each rank's one-rank NCCL
-group instead (``_nccl_issue_cost``): the host pays what a NCCL collective costs to issue, no
-data move, and the results of those timed rounds are wrong.
+CPU and ``--one-gpu`` (two ranks time-slicing GPU 0 over gloo; no DTensor modes: gloo has
+no CUDA reduce-scatter) check correctness only (``"timing_meaningful": false``).
+``--eager`` runs the compiled modes uncompiled (the CPU test's quick check).
 """
 
 from __future__ import annotations
@@ -42,313 +58,608 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import cProfile
-import io
 import json
+import os
 import pathlib
-import pstats
 import statistics
-import time
+import sys
 
 import torch
 import torch.distributed as dist
-from _benchrun import (
-    DTYPES,
-    add_options,
-    fill_defaults,
-    launch,
-    load,
-    rel_err,
-    time_ms,
-    write_json,
-)
+import torch.nn.functional as F
+from _benchrun import DTYPES, add_options, fill_defaults, launch, rel_err, time_ms, write_json
 from torch import nn
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-SMALL = dict(layers=2, hidden=64, ffn=128, heads=4, kv_heads=2, seq=32)
-LARGE = dict(layers=2, hidden=4096, ffn=14336, heads=32, kv_heads=8, seq=4096)
+import overlap
+from overlap.collectives import all_gather, reduce_scatter
+
+SMALL = dict(layers=2, seq=32)
+LARGE = dict(layers=2, seq=8192)
+DIMS = {  # hidden, ffn, heads, kv_heads
+    "small": (64, 128, 4, 2),
+    "8b": (4096, 14336, 32, 8),
+    "70b": (8192, 28672, 64, 8),
+}
+MODES = ("plain", "plain_sp", "nocomm", "overlap", "overlap_sp", "overlap_sp_c", "torch_tp",
+         "async_tp")  # fmt: skip
+SP = {"plain_sp", "overlap_sp", "overlap_sp_c", "torch_tp", "async_tp"}
+COMPILED = {"overlap_sp_c", "torch_tp", "async_tp"}
 
 
-def _gather_rows(x: torch.Tensor, group) -> torch.Tensor:
-    """``[T / R, ...]`` of every rank -> ``[T, ...]``."""
-    full = x.new_empty((x.shape[0] * dist.get_world_size(group), *x.shape[1:]))
-    dist.all_gather_into_tensor(full, x.contiguous(), group=group)
-    return full
+# -- the model ---------------------------------------------------------------------------------
+def attention(q, k, v, d: int) -> torch.Tensor:
+    """Causal attention of ``q [T, heads * d]``, ``k, v [T, kv_heads * d]`` -> ``[T, heads
+    * d]``; each group of ``heads / kv_heads`` query heads shares a KV head."""
+    T = q.shape[0]
+    q, k, v = (t.reshape(T, -1, d).transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    return out.squeeze(0).transpose(0, 1).reshape(T, -1)
 
 
-def _reduce(y: torch.Tensor, group, sp: bool) -> torch.Tensor:
-    """Sum over the ranks: all-reduce, or (``sp``) reduce-scatter of the rows."""
-    y = y.contiguous()
-    if not sp:
-        dist.all_reduce(y, group=group)
-        return y
-    out = y.new_empty((y.shape[0] // dist.get_world_size(group), *y.shape[1:]))
-    dist.reduce_scatter_tensor(out, y, group=group)
-    return out
+class Attention(nn.Module):
+    """``x [T, hidden]`` -> ``[T, hidden]``; ``enter``: what the input goes through first (a
+    plain mode's collective)."""
 
-
-def _wgrad(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    return g.reshape(-1, g.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
-
-
-class _PlainColumn(torch.autograd.Function):
-    """``x @ w.t()``, ``w [out / R, in]``; sp: tokens gathered first, dx reduce-scattered."""
-
-    @staticmethod
-    def forward(ctx, x, w, group, sp):  # noqa: D102
-        full = _gather_rows(x, group) if sp else x
-        ctx.save_for_backward(full, w)
-        ctx.group, ctx.sp = group, sp
-        return full @ w.t()
-
-    @staticmethod
-    def backward(ctx, g):  # noqa: D102
-        full, w = ctx.saved_tensors
-        return _reduce(g @ w, ctx.group, ctx.sp), _wgrad(g, full), None, None
-
-
-class _PlainRow(torch.autograd.Function):
-    """``x @ w.t()`` summed over the ranks, ``w [out, in / R]``; sp: reduce-scattered, the
-    gradient all-gathered."""
-
-    @staticmethod
-    def forward(ctx, x, w, group, sp):  # noqa: D102
-        ctx.save_for_backward(x, w)
-        ctx.group, ctx.sp = group, sp
-        return _reduce(x @ w.t(), group, sp)
-
-    @staticmethod
-    def backward(ctx, g):  # noqa: D102
-        x, w = ctx.saved_tensors
-        g = _gather_rows(g, ctx.group) if ctx.sp else g
-        return g @ w, _wgrad(g, x), None, None
-
-
-class PlainLinear(nn.Module):
-    """This rank's shard of ``linear`` as ``overlap.nn``'s ``from_linear`` cuts it: ``dim``
-    0 (column) takes rows of the weight, 1 (row) columns."""
-
-    def __init__(self, linear: nn.Linear, dim: int, sp: bool, group=None) -> None:
+    def __init__(self, hidden: int, heads: int, kv_heads: int, fused: bool) -> None:
         super().__init__()
-        R, r = dist.get_world_size(group), dist.get_rank(group)
-        n = linear.weight.shape[dim] // R
-        self.weight = nn.Parameter(linear.weight.detach().narrow(dim, r * n, n).clone())
-        self.fn, self.group, self.sp = (_PlainColumn, _PlainRow)[dim], group, sp
+        self.d, self.enter = hidden // heads, _identity
+        widths = [heads * self.d, kv_heads * self.d, kv_heads * self.d]
+        if fused:
+            self.wqkv = nn.Linear(hidden, sum(widths), bias=False)
+        else:
+            self.wq, self.wk, self.wv = (nn.Linear(hidden, n, bias=False) for n in widths)
+        self.wo = nn.Linear(widths[0], hidden, bias=False)
+        self.parts = widths  # q/k/v widths of the local output (divided by R when sharded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
-        return self.fn.apply(x, self.weight, self.group, self.sp)
+        x = self.enter(x)
+        if hasattr(self, "wqkv"):
+            q, k, v = self.wqkv(x).split(self.parts, dim=-1)
+        else:
+            q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        return self.wo(attention(q, k, v, self.d))
 
 
-def plain_layer(layer: nn.Module, sp: bool) -> nn.Module:
-    """An unsharded ``DecoderLayer`` converted: q/k/v/gate/up plain column, o/down plain row."""
-    layer, R = copy.deepcopy(layer), dist.get_world_size()
-    if layer.kv_heads % R:
-        raise ValueError(f"kv_heads ({layer.kv_heads}) must be divisible by R ({R})")
-    layer.heads, layer.kv_heads = layer.heads // R, layer.kv_heads // R
-    for name in ("q", "k", "v", "gate", "up", "o", "down"):
-        dim = 1 if name in ("o", "down") else 0
-        setattr(layer, name, PlainLinear(getattr(layer, name), dim, sp))
-    return layer
+class FeedForward(nn.Module):
+    """SwiGLU: ``x [T, hidden]`` -> ``[T, hidden]``."""
+
+    def __init__(self, hidden: int, ffn: int, fused: bool) -> None:
+        super().__init__()
+        self.enter = _identity
+        if fused:
+            self.w13 = nn.Linear(hidden, 2 * ffn, bias=False)
+        else:
+            self.w1, self.w3 = (
+                nn.Linear(hidden, ffn, bias=False),
+                nn.Linear(hidden, ffn, bias=False),
+            )
+        self.w2 = nn.Linear(ffn, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        x = self.enter(x)
+        gate, up = (
+            self.w13(x).chunk(2, dim=-1) if hasattr(self, "w13") else (self.w1(x), self.w3(x))
+        )
+        return self.w2(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    """A decoder layer: ``x [T, hidden]`` (sequence parallel: ``[T / R, hidden]``) -> the same."""
+
+    def __init__(self, hidden: int, ffn: int, heads: int, kv_heads: int, fused: bool) -> None:
+        super().__init__()
+        self.attention_norm, self.ffn_norm = nn.RMSNorm(hidden), nn.RMSNorm(hidden)
+        self.attention = Attention(hidden, heads, kv_heads, fused)
+        self.feed_forward = FeedForward(hidden, ffn, fused)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        h = x + self.attention(self.attention_norm(x))
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+COLUMNS = ("attention.wqkv", "attention.wq", "attention.wk", "attention.wv", "feed_forward.w13",
+           "feed_forward.w1", "feed_forward.w3")  # fmt: skip
+ROWS = ("attention.wo", "feed_forward.w2")
+
+
+def interleave(block: Block, R: int) -> None:
+    """Reorders a fused layer's ``wqkv`` rows as ``[q_0 k_0 v_0 q_1 k_1 v_1 ...]`` and
+    ``w13``'s as ``[gate_0 up_0 gate_1 up_1 ...]`` (``_r``: rank ``r``'s heads or columns), so
+    that row block ``r`` of ``R`` is rank ``r``'s; sets the local q/k/v widths."""
+    att, ff = block.attention, block.feed_forward
+    with torch.no_grad():
+        if hasattr(att, "wqkv"):
+            parts = [p.chunk(R) for p in att.wqkv.weight.split(att.parts)]
+            att.wqkv.weight.copy_(torch.cat([t for r in range(R) for t in (q[r] for q in parts)]))
+        if hasattr(ff, "w13"):
+            gate, up = (p.chunk(R) for p in ff.w13.weight.chunk(2))
+            ff.w13.weight.copy_(torch.cat([t for r in range(R) for t in (gate[r], up[r])]))
+    att.parts = [n // R for n in att.parts]
+
+
+# -- the modes ---------------------------------------------------------------------------------
+class _Enter(torch.autograd.Function):
+    """A plain mode's module input: sequence parallel, the tokens all-gathered (the gradient
+    reduce-scattered); else as is, the gradient all-reduced (Megatron's ``f``)."""
+
+    @staticmethod
+    def forward(ctx, x, group, sp):  # noqa: D102
+        ctx.group, ctx.sp = group, sp
+        if not sp:
+            return x
+        full = x.new_empty(x.shape[0] * dist.get_world_size(group), *x.shape[1:])
+        all_gather(full, x.contiguous(), group)
+        return full
+
+    @staticmethod
+    def backward(ctx, g):  # noqa: D102
+        g = g.contiguous()
+        if not ctx.sp:
+            dist.all_reduce(g, group=ctx.group)
+            return g, None, None
+        out = g.new_empty(g.shape[0] // dist.get_world_size(ctx.group), *g.shape[1:])
+        reduce_scatter(out, g, ctx.group)
+        return out, None, None
+
+
+class _Exit(torch.autograd.Function):
+    """A plain row linear's sum over the ranks: all-reduced, or (sequence parallel)
+    reduce-scattered with the gradient all-gathered (Megatron's ``g``)."""
+
+    @staticmethod
+    def forward(ctx, y, group, sp):  # noqa: D102
+        ctx.group, ctx.sp = group, sp
+        y = y.contiguous()
+        if not sp:
+            dist.all_reduce(y, group=group)
+            return y
+        out = y.new_empty(y.shape[0] // dist.get_world_size(group), *y.shape[1:])
+        reduce_scatter(out, y, group)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):  # noqa: D102
+        if not ctx.sp:
+            return g, None, None
+        full = g.new_empty(g.shape[0] * dist.get_world_size(ctx.group), *g.shape[1:])
+        all_gather(full, g.contiguous(), ctx.group)
+        return full, None, None
+
+
+class PlainRow(nn.Module):
+    """A row linear's shard ``weight [out, in / R]``: ``x @ weight.t()`` summed over the ranks
+    (``comm`` False: not summed, the ``nocomm`` ceiling)."""
+
+    def __init__(self, weight: torch.Tensor, sp: bool, comm: bool) -> None:
+        super().__init__()
+        self.weight, self.sp, self.comm = nn.Parameter(weight), sp, comm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        y = F.linear(x, self.weight)
+        return _Exit.apply(y, None, self.sp) if self.comm else y
+
+
+def _shard(linear: nn.Linear, dim: int) -> torch.Tensor:
+    R, r = dist.get_world_size(), dist.get_rank()
+    n = linear.weight.shape[dim] // R
+    return linear.weight.detach().narrow(dim, r * n, n).clone()
+
+
+def build(mode: str, ref: list[Block], mesh) -> nn.Sequential:
+    """``mode``'s stack from the unsharded, interleaved blocks ``ref`` (copied)."""
+    sp, R = mode in SP, dist.get_world_size()
+    blocks = [copy.deepcopy(b) for b in ref]
+    for block in blocks:
+        if mode in ("torch_tp", "async_tp"):
+            _torch_tp(block, mesh)
+            continue
+        for name in COLUMNS + ROWS:
+            parent, _, child = name.rpartition(".")
+            owner = block.get_submodule(parent)
+            linear = getattr(owner, child, None)
+            if linear is None:
+                continue
+            column = name in COLUMNS
+            if mode.startswith("overlap"):
+                cls = overlap.nn.ColumnParallelLinear if column else overlap.nn.RowParallelLinear
+                layer = cls.from_linear(linear, sequence_parallel=sp)
+            elif column:
+                layer = nn.Linear(linear.in_features, linear.out_features // R, bias=False)
+                layer.weight = nn.Parameter(_shard(linear, 0))
+            else:
+                layer = PlainRow(_shard(linear, 1), sp, comm=mode != "nocomm")
+            setattr(owner, child, layer.to(linear.weight.device))
+        for owner in (block.attention, block.feed_forward):
+            if mode in ("plain", "plain_sp"):
+                owner.enter = lambda x, sp=sp: _Enter.apply(x, None, sp)
+            if mode.startswith("overlap") and not hasattr(owner, "wqkv") and \
+                    not hasattr(owner, "w13"):  # fmt: skip
+                columns = [getattr(owner, n) for n in ("wq", "wk", "wv", "w1", "w3")
+                           if hasattr(owner, n)]  # fmt: skip
+                overlap.nn.share_input(*columns)
+    return nn.Sequential(*blocks)
+
+
+def _torch_tp(block: Block, mesh) -> None:
+    """torchtitan's TP + SP plan on ``block`` (tokens on dim 0)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    gather = dict(input_layouts=(Shard(0),), desired_input_layouts=(Replicate(),))
+    plan = {
+        "attention_norm": SequenceParallel(sequence_dim=0),
+        "ffn_norm": SequenceParallel(sequence_dim=0),
+        "attention": PrepareModuleInput(**gather),
+        "feed_forward": PrepareModuleInput(**gather),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(0)),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(0)),
+    }
+    for name in COLUMNS:
+        parent, _, child = name.rpartition(".")
+        if hasattr(block.get_submodule(parent), child):
+            plan[name] = ColwiseParallel()
+    parallelize_module(block, mesh, plan)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _step(model: nn.Module, x: torch.Tensor, g: torch.Tensor):
-    """Forward + backward of ``(model(x) * g).sum()``; returns y, dx and the parameters."""
+    """Forward + backward of ``(model(x) * g).sum()``: ``(y, dx)``."""
     model.zero_grad(set_to_none=True)
     x = x.detach().requires_grad_()
     y = model(x)
     (y * g).sum().backward()
-    return y.detach(), x.grad, dict(model.named_parameters())
+    return y.detach(), x.grad
 
 
-@contextlib.contextmanager
-def _nccl_issue_cost():
-    """torch's collectives on CUDA tensors issued on this rank's one-rank NCCL group (see the
-    module docstring): same calls, this rank's part only."""
-    rank, R = dist.get_rank(), dist.get_world_size()
-    mine = [dist.new_group([r], backend="nccl") for r in range(R)][rank]
-    names = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
-             "reduce_scatter_tensor", "reduce_scatter_single")  # fmt: skip
-    saved = {n: getattr(dist, n) for n in names if hasattr(dist, n)}
-
-    def first(t, n):  # the leading rows that a one-rank collective of n rows writes or reads
-        return t.narrow(0, 0, n)
-
-    def gather(out, t, *a, **k):
-        return saved["all_gather_into_tensor"](first(out, t.shape[0]), t, group=mine)
-
-    def scatter(out, t, *a, **k):
-        return saved["reduce_scatter_tensor"](out, first(t, out.shape[0]), group=mine)
-
-    patches = dict(
-        all_reduce=lambda t, *a, **k: saved["all_reduce"](t, group=mine),
-        all_gather=lambda parts, t, *a, **k: saved["all_gather"](parts[:1], t, group=mine),
-        all_gather_into_tensor=gather, all_gather_single=gather,
-        reduce_scatter_tensor=scatter, reduce_scatter_single=scatter,
-    )  # fmt: skip
-    for n in saved:
-        setattr(dist, n, patches[n])
-    try:
-        yield
-    finally:
-        for n, f in saved.items():
-            setattr(dist, n, f)
-
-
-def host_ms(fns: dict, rounds: int, warmup: int) -> tuple[dict, int]:
-    """Host milliseconds to issue each of ``fns`` (name -> callable) with the GPU kept ahead,
-    per round (the slowest rank's; every round issues each once, in turn, the order reversed
-    every other round), and in how many issues the GPU caught up with the host (any rank)."""
-    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-    ev[0].record(), torch.cuda._sleep(10_000_000), ev[1].record(), ev[1].synchronize()
-    per_ms = 10_000_000 / ev[0].elapsed_time(ev[1])  # sleep cycles per ms
-    times, caught, ahead = {k: [] for k in fns}, 0, 50.0  # ms of sleep queued before each issue
-    for i in range(warmup + rounds):
-        for name in list(fns)[:: 1 if i % 2 else -1]:
-            dist.barrier()
-            torch.cuda._sleep(int(ahead * per_ms))
-            slept = torch.cuda.Event()
-            slept.record()
-            t0 = time.perf_counter()
-            fns[name]()
-            t = (time.perf_counter() - t0) * 1e3
-            done = slept.query()
-            torch.cuda.synchronize()
-            if i >= warmup:  # (a warm-up issue may be slow once: no longer sleeps after it)
-                ahead = min(max(ahead, 3 * t), 500.0)
-                times[name].append(t)
-                caught += done
+def _errors(model, x, g, ref: dict) -> dict:
+    """Relative errors of ``model``'s output, input and linear weights' gradients against
+    ``ref`` (``plain``'s), the slowest rank's."""
+    y, dx = _step(model, x, g)
+    rows = ref["rows"] if y.shape[0] != ref["y"].shape[0] else slice(None)
+    grads = {n: _local(p.grad) for n, p in model.named_parameters() if "norm" not in n}
+    errs = {"output": rel_err(y, ref["y"][rows]), "input_grad": rel_err(dx, ref["dx"][rows]),
+            "weight_grad": max(rel_err(grads[n], w) for n, w in ref["grads"].items())}  # fmt: skip
     every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, (times, caught))
-    slowest = {k: [max(e[0][k][j] for e in every) for j in range(rounds)] for k in fns}
-    return slowest, sum(e[1] for e in every)
+    dist.all_gather_object(every, errs)
+    return {k: max(e[k] for e in every) for k in errs}
 
 
-def _prefill(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        return model(x)
+def _applies(mode: str, dev: torch.device) -> str | None:
+    """Why ``mode`` cannot run here, or None."""
+    if mode in ("torch_tp", "async_tp") and dist.get_backend() != "nccl" and dev.type == "cuda":
+        return "DTensor on gloo has no CUDA reduce-scatter"
+    if mode == "async_tp" and (dev.type != "cuda" or os.environ.get("NCCL_P2P_DISABLE") == "1"):
+        return "async-TP needs CUDA GPUs with P2P"
+    return None
 
 
-def _profile(step, rounds: int, path: str | None) -> None:
-    """cProfile of ``rounds`` calls of ``step`` (the backward on this thread), own time first,
-    written to ``path`` (every rank steps; None: this rank writes nothing)."""
-    prof = cProfile.Profile()
-    with torch.autograd.set_multithreading_enabled(False):
-        for _ in range(rounds):
-            dist.barrier()
-            torch.cuda._sleep(50_000_000)
-            prof.enable()
-            step()
-            prof.disable()
-            torch.cuda.synchronize()
-    if path is None:
-        return
-    buf = io.StringIO()
-    stats = pstats.Stats(prof, stream=buf)
-    buf.write(f"{rounds} training steps under cProfile (its overhead included)\n")
-    stats.sort_stats("tottime").print_stats(40)
-    stats.sort_stats("cumulative").print_stats("overlap", 40)
-    pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
-    pathlib.Path(path).write_text(buf.getvalue())
+def _mode_context(mode: str, args):
+    """What ``mode`` runs under: async-TP's inductor pass and symmetric memory."""
+    if mode != "async_tp":
+        return contextlib.nullcontext()
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    enable_symm_mem_for_group(dist.group.WORLD.group_name)
+    return torch._inductor.config.patch(_micro_pipeline_tp=True)
 
 
 def bench(args: argparse.Namespace, dev: torch.device, timing_meaningful: bool) -> None:
-    """Builds, checks and times both modes for each sequence-parallel setting (every rank)."""
-    ex = load(ROOT / "examples" / "tp_transformer.py", "tp_transformer")
+    """Builds, checks and times every mode of every layout (every rank)."""
     R, rank, dtype = dist.get_world_size(), dist.get_rank(), DTYPES[args.dtype]
+    hidden, ffn, heads, kv_heads = DIMS[args.dims]
+    if heads % R or kv_heads % R or ffn % R or args.seq % R:
+        raise ValueError(f"heads ({heads}), kv_heads ({kv_heads}), ffn ({ffn}) and --seq "
+                         f"({args.seq}) must be divisible by the world size ({R})")  # fmt: skip
     tol = 1e-4 if dtype == torch.float32 else 3e-2
-    with torch.device(dev):
-        torch.manual_seed(0)
-        ref = [ex.DecoderLayer(args.hidden, args.heads, args.kv_heads, args.ffn)
-               for _ in range(args.layers)]  # fmt: skip
-        x = torch.randn(args.seq, 1, args.hidden, dtype=dtype)
-        g = torch.randn(args.seq, 1, args.hidden, dtype=dtype)
-    for layer in ref:
-        layer.o.bias = None
-        layer.to(dtype)
-    sps = {"0": [False], "1": [True], "both": [False, True]}[args.sequence_parallel]
-    rows, errors = [], {}
-    for sp in sps:
-        if sp and args.seq % R:
-            raise ValueError(f"--seq ({args.seq}) must be divisible by the world size ({R})")
-        mine = slice(rank * args.seq // R, (rank + 1) * args.seq // R) if sp else slice(None)
-        xs, gs = x[mine].contiguous(), g[mine].contiguous()
-        tp = [ex.TPDecoderLayer(copy.deepcopy(ly), sequence_parallel=sp) for ly in ref]
-        plain = [plain_layer(ly, sp) for ly in ref]
-        models = {"plain": nn.Sequential(*plain), "overlap": nn.Sequential(*tp)}
-        (y0, dx0, p0), (y1, dx1, p1) = (_step(models[m], xs, gs) for m in ("plain", "overlap"))
-        errs = {"output": rel_err(y1, y0), "input_grad": rel_err(dx1, dx0),
-                "weight_grad": max(rel_err(p1[n].grad, p0[n].grad) for n in p0)}  # fmt: skip
-        every = [None] * R
-        dist.all_gather_object(every, errs)
-        errors[f"sp={int(sp)}"] = errs = {k: max(e[k] for e in every) for k in errs}
-        bad = {k: v for k, v in errs.items() if not v < tol}
-        if bad:
-            raise RuntimeError(f"overlap disagrees with plain (sequence_parallel={sp}): relative "
-                               f"errors above {tol}: {bad}")  # fmt: skip
-        for mode, model in models.items():
-            with torch.no_grad():
-                pre = time_ms(lambda: model(xs), args.iters, args.warmup, dev.type == "cuda")
-            train = time_ms(
-                lambda: _step(model, xs, gs), args.iters, args.warmup, dev.type == "cuda"
-            )
-            rows.append(dict(mode=mode, sequence_parallel=sp, prefill_ms=pre,
-                             prefill_tok_s=args.seq / pre * 1e3, train_ms=train,
+    mesh = None
+    if any(m in ("torch_tp", "async_tp") for m in args.modes):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(dev.type, (R,))
+    torch._dynamo.config.cache_size_limit = 64
+    mine = slice(rank * args.seq // R, (rank + 1) * args.seq // R)
+    rows, errors, skipped = [], {}, {}
+    for layout in args.layouts:
+        with torch.device(dev):
+            torch.manual_seed(0)
+            ref = [Block(hidden, ffn, heads, kv_heads, layout == "fused").to(dtype)
+                   for _ in range(args.layers)]  # fmt: skip
+            x = torch.randn(args.seq, hidden, dtype=dtype)
+            g = torch.randn(args.seq, hidden, dtype=dtype)
+        for block in ref:
+            interleave(block, R)
+        reference = None
+        for mode in args.modes:
+            why = _applies(mode, dev)
+            if why:
+                skipped[mode] = why
+                continue
+            model = build(mode, ref, mesh)
+            if mode in COMPILED and not args.eager:
+                for block in model:
+                    block.compile(dynamic=False)
+            xs, gs = (x[mine], g[mine]) if mode in SP else (x, g)
+            with _mode_context(mode, args):
+                if reference is None:  # plain: the reference every mode is checked against
+                    y, dx = _step(model, xs, gs)
+                    grads = {n: p.grad for n, p in model.named_parameters() if "norm" not in n}
+                    reference = dict(y=y, dx=dx, grads=grads, rows=mine)
+                if mode != "nocomm":  # (the ceiling skips the sums: its results differ)
+                    errors[f"{layout}/{mode}"] = _errors(model, xs, gs, reference)
+                bad = {k: v for k, v in errors.get(f"{layout}/{mode}", {}).items() if not v < tol}
+                if bad:
+                    raise RuntimeError(f"{layout}/{mode} disagrees with plain: relative errors "
+                                       f"above {tol}: {bad}")  # fmt: skip
+                cuda = dev.type == "cuda"
+                with torch.no_grad():
+                    pre = time_ms(lambda: model(xs), args.iters, args.warmup, cuda)
+                train = time_ms(lambda: _step(model, xs, gs), args.iters, args.warmup, cuda)
+            rows.append(dict(layout=layout, mode=mode, sequence_parallel=mode in SP,
+                             compiled=mode in COMPILED and not args.eager, prefill_ms=pre,
+                             train_ms=train, prefill_tok_s=args.seq / pre * 1e3,
                              train_tok_s=args.seq / train * 1e3))  # fmt: skip
-        if dev.type == "cuda":
-            proxy = _nccl_issue_cost() if dist.get_backend() == "gloo" else contextlib.nullcontext()
-            with proxy:
-                fns = {}
-                for mode, model in models.items():
-                    fns["prefill", mode] = lambda m=model: _prefill(m, xs)
-                    fns["train", mode] = lambda m=model: _step(m, xs, gs)
-                host, caught = host_ms(fns, args.iters, args.warmup)
-                for row in rows[-2:]:
-                    for what in ("prefill", "train"):
-                        mine, plain = host[what, row["mode"]], host[what, "plain"]
-                        row[f"{what}_host_ms"] = statistics.median(mine)
-                        row[f"{what}_host_ms_min"] = min(mine)
-                        row[f"host_ratio_{what}"] = statistics.median(
-                            a / b for a, b in zip(mine, plain, strict=True)
-                        )
-                    row["host_issues_caught_up"] = caught
-                if args.profile:  # every rank steps (the calls are collectives); rank 0 writes
-                    lib, where = models["overlap"], f"{args.profile}.sp{int(sp)}.txt"
-                    _profile(lambda: _step(lib, xs, gs), args.iters, where if rank == 0 else None)
-        base = rows[-2]
-        for row in rows[-2:]:
-            row["speedup_prefill"] = base["prefill_ms"] / row["prefill_ms"]
-            row["speedup_train"] = base["train_ms"] / row["train_ms"]
-        del models, tp, plain, p0, p1  # free this setting's memory before the next
+            model = None  # (its memory freed before the next mode's)
+            if cuda:
+                torch.cuda.empty_cache()
+        del ref, reference
+    _speedups(rows)
+    breakdown = _breakdown(args, dev, dtype) if args.breakdown else None
     if rank == 0:
-        _report(args, dev, R, timing_meaningful, rows, errors, tol)
+        _report(args, dev, R, timing_meaningful, rows, errors, tol, skipped, breakdown)
 
 
-def _report(args, dev, R, timing_meaningful, rows, errors, tol) -> None:
-    """Prints the table and writes the JSON (rank 0)."""
-    head = f"{'mode':8} {'sp':>2} {'prefill ms':>11} {'prefill tok/s':>14} {'train ms':>10} " \
-           f"{'train tok/s':>12} {'speedup p/t':>12}"  # fmt: skip
-    host = "train_host_ms" in rows[0]
-    print(head + (f" {'host ms p/t':>15} {'host x plain p/t':>17}" if host else ""))
+def _speedups(rows: list[dict]) -> None:
+    """Each row's speedups over its layout's ``plain``, ``torch_tp`` and ``async_tp``."""
+    for row in rows:
+        for base in ("plain", "torch_tp", "async_tp"):
+            other = [r for r in rows if r["layout"] == row["layout"] and r["mode"] == base]
+            for what in ("prefill", "train"):
+                row[f"{what}_x_{base}"] = (other[0][f"{what}_ms"] / row[f"{what}_ms"]
+                                           if other else None)  # fmt: skip
+
+
+# -- the breakdown -----------------------------------------------------------------------------
+def _layer_ops(args, R: int) -> list[tuple]:
+    """A layer's collective ops at this run's shapes: ``(name, collective, M, K, N, layout)``,
+    ``M`` the tokens of the product, ``layout`` "nk" for ``w = weight.t()`` (the forward's)
+    and "kn" for the weight itself (the input gradient's ``g @ weight``)."""
+    hidden, ffn, heads, kv_heads = DIMS[args.dims]
+    d, T = hidden // heads, args.seq
+    q, qkv, f = heads * d // R, (heads + 2 * kv_heads) * d // R, ffn // R
+    return [
+        ("fwd qkv", "all_gather", T, hidden, qkv, "nk"),
+        ("fwd o", "reduce_scatter", T, q, hidden, "nk"),
+        ("fwd w13", "all_gather", T, hidden, 2 * f, "nk"),
+        ("fwd w2", "reduce_scatter", T, f, hidden, "nk"),
+        ("bwd qkv dx", "reduce_scatter", T, qkv, hidden, "kn"),
+        ("bwd o dx", "all_gather", T, hidden, q, "kn"),
+        ("bwd w13 dx", "reduce_scatter", T, 2 * f, hidden, "kn"),
+        ("bwd w2 dx", "all_gather", T, hidden, f, "kn"),
+        ("fwd o, no SP", "all_reduce", T, q, hidden, "nk"),
+        ("fwd w2, no SP", "all_reduce", T, f, hidden, "nk"),
+        ("bwd qkv dx, no SP", "all_reduce", T, qkv, hidden, "kn"),
+        ("bwd w13 dx, no SP", "all_reduce", T, 2 * f, hidden, "kn"),
+    ]
+
+
+def _op_functions(coll: str, M: int, K: int, N: int, layout: str, dtype, dev) -> tuple:
+    """``(functions, results)``: cuBLAS, the library's kernel alone, the collective alone,
+    plain and the library's op of one layer op; ``results()`` gives plain's and the op's."""
+    from overlap.bench import kernel_alone
+
+    R, rank = dist.get_world_size(), dist.get_rank()
+    gen = torch.Generator(device=dev).manual_seed(7 + rank)
+    new = dict(device=dev, dtype=dtype)
+    w = torch.randn(N, K, generator=gen, **new).t() if layout == "nk" else \
+        torch.randn(K, N, generator=gen, **new)  # fmt: skip
+    gathers = coll == "all_gather"
+    x = torch.randn(M // R if gathers else M, K, generator=gen, **new)
+    full, y = x.new_empty(M, K), x.new_empty(M, N)
+    spec = overlap.collectives.collective(coll)
+    out = x.new_empty(spec.result_shape((M, K), N, R) if not gathers else (M, N))
+    fns = {}
+    if gathers:
+        all_gather(full, x, None)  # (cuBLAS alone multiplies the gathered rows)
+        fns["cublas"] = lambda: torch.matmul(full, w, out=y)
+        fns["comm"] = lambda: all_gather(full, x, None)
+
+        def plain():
+            all_gather(full, x, None)
+            return torch.matmul(full, w, out=out)
+
+        def lib():
+            return overlap.all_gather_matmul(x, w, return_gathered=layout == "kn")
+    else:
+        fns["cublas"] = lambda: torch.matmul(x, w, out=y)
+        p = overlap.plan(x, w, coll)
+        if p.path == "overlap":
+            fns["kernel"] = kernel_alone(x, w, p, rank)[0]
+        fns["comm"] = lambda: spec.plain(y, out if not spec.replicated else y, None)
+
+        def plain():
+            prod = torch.matmul(x, w)
+            spec.plain(prod, out, None)
+            return prod if spec.replicated else out
+
+        def lib():
+            return overlap.matmul_collective(x, w, coll)
+
+    fns["plain"], fns["overlap"] = plain, lib
+
+    def results():
+        got = lib()
+        return plain().clone(), got[0] if isinstance(got, tuple) else got
+
+    return fns, results
+
+
+def _time_functions(fns: dict, iters: int, warmup: int, dev) -> dict:
+    """Per function: median GPU ms and host ms per call (``overlap.tuner.time_queued``: the
+    host queued ahead of the GPU), the functions taking turns; the slowest rank's."""
+    from overlap.tuner import time_queued
+
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times = {k: ([], []) for k in fns}
+    for _ in range(iters):
+        for k, fn in fns.items():
+            gpu, host = time_queued(fn, dev, None)
+            times[k][0].append(gpu)
+            times[k][1].append(host)
+    mine = {k: (statistics.median(a), statistics.median(b)) for k, (a, b) in times.items()}
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return {k: tuple(max(e[k][i] for e in every) for i in range(2)) for k in fns}
+
+
+def _kind(name: str) -> str:
+    """A kernel's kind, from its name."""
+    n = name.lower()
+    for kind, marks in (("nccl", ("nccl",)), ("library gemm (triton)", ("chunked_matmul",)),
+                        ("cublas gemm", ("gemm", "nvjet", "cutlass", "xmma")),
+                        ("attention", ("flash", "fmha", "attention", "sdpa")),
+                        ("memset", ("memset",))):  # fmt: skip
+        if any(m in n for m in marks):
+            return kind
+    if "memcpy" in n:
+        return name  # (the profiler names copies by direction: "Memcpy PtoP (Device -> Device)")
+    return "elementwise and other"
+
+
+def _profile(model, xs, gs, steps: int = 2) -> dict:
+    """GPU ms per kind of kernel and the top kernels over ``steps`` training steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(2):
+        _step(model, xs, gs)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            _step(model, xs, gs)
+        torch.cuda.synchronize()
+    kinds, kernels = {}, {}
+    for e in prof.key_averages():
+        ms = getattr(e, "self_device_time_total", 0) / 1e3 / steps
+        if ms > 0:
+            kinds[_kind(e.key)] = kinds.get(_kind(e.key), 0.0) + ms
+            kernels[e.key] = kernels.get(e.key, 0.0) + ms
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:15]
+    return dict(kinds=dict(sorted(kinds.items(), key=lambda kv: -kv[1])), top=top)
+
+
+def _breakdown(args, dev, dtype) -> dict:
+    """Every collective op of a layer, plain against the library's (``_layer_ops``); on GPUs,
+    the kernels of a training step per mode (fused layout)."""
+    R, ops = dist.get_world_size(), []
+    for name, coll, M, K, N, layout in _layer_ops(args, R):
+        fns, results = _op_functions(coll, M, K, N, layout, dtype, dev)
+        t = _time_functions(fns, args.iters, args.warmup, dev)
+        want, got = results()
+        row = dict(op=name, collective=coll, M=M, K=K, N=N, layout=layout,
+                   error=rel_err(got, want), **{k: v[0] for k, v in t.items()},
+                   **{f"host_{k}": v[1] for k, v in t.items()})  # fmt: skip
+        row["saved"] = row["plain"] - row["overlap"]
+        hideable = row["plain"] - max(row["cublas"], row["comm"])
+        row["eta"] = row["saved"] / hideable if hideable > 0 else None
+        ops.append(row)
+        del fns, results
+    profiles = {}
+    if dev.type == "cuda":
+        hidden, ffn, heads, kv_heads = DIMS[args.dims]
+        with torch.device(dev):
+            torch.manual_seed(0)
+            ref = [Block(hidden, ffn, heads, kv_heads, True).to(dtype) for _ in range(args.layers)]
+            x = torch.randn(args.seq, hidden, dtype=dtype)
+            g = torch.randn(args.seq, hidden, dtype=dtype)
+        for block in ref:
+            interleave(block, R)
+        mine = slice(dist.get_rank() * args.seq // R, (dist.get_rank() + 1) * args.seq // R)
+        for mode in ("plain", "overlap", "plain_sp", "overlap_sp"):
+            xs, gs = (x[mine], g[mine]) if mode in SP else (x, g)
+            profiles[mode] = _profile(build(mode, ref, None), xs, gs)
+            torch.cuda.empty_cache()
+    return dict(ops=ops, profiles=profiles)
+
+
+def _report(args, dev, R, timing_meaningful, rows, errors, tol, skipped, breakdown) -> None:
+    """Prints the tables and writes the JSON (rank 0)."""
+    print(f"{'layout':8} {'mode':12} {'prefill ms':>10} {'train ms':>9} {'x plain p/t':>12} "
+          f"{'x torch_tp p/t':>15} {'x async_tp p/t':>15}")  # fmt: skip
+
+    def pair(r, base):
+        a, b = r[f"prefill_x_{base}"], r[f"train_x_{base}"]
+        return "-" if a is None else f"{a:.3f}/{b:.3f}"
+
     for r in rows:
-        print(f"{r['mode']:8} {int(r['sequence_parallel']):>2} {r['prefill_ms']:11.3f} "
-              f"{r['prefill_tok_s']:14.0f} {r['train_ms']:10.3f} {r['train_tok_s']:12.0f} "
-              f"{r['speedup_prefill']:5.2f}/{r['speedup_train']:.2f}" + (
-              f" {r['prefill_host_ms']:7.2f}/{r['train_host_ms']:<7.2f} "
-              f"{r['host_ratio_prefill']:8.2f}/{r['host_ratio_train']:.2f}"
-              if host else ""))  # fmt: skip
-    print("relative errors overlap vs plain:", json.dumps(errors))
+        print(
+            f"{r['layout']:8} {r['mode']:12} {r['prefill_ms']:10.3f} {r['train_ms']:9.3f} "
+            f"{pair(r, 'plain'):>12} {pair(r, 'torch_tp'):>15} {pair(r, 'async_tp'):>15}"
+        )
+    for mode, why in skipped.items():
+        print(f"{mode}: not run ({why})")
+    print("relative errors against plain:", json.dumps(errors))
+    if breakdown:
+        cols = ("cublas", "kernel", "comm", "plain", "overlap", "saved")
+        print(f"\n{'op':18} {'MxKxN':>17} {'lay':3} " + " ".join(f"{c:>7}" for c in cols)
+              + f" {'eta':>5} {'host p/o':>11} {'err':>8}")  # fmt: skip
+        for o in breakdown["ops"]:
+            cells = " ".join("      -" if o.get(c) is None else f"{o[c]:7.3f}" for c in cols)
+            eta = "-" if o["eta"] is None else f"{o['eta']:.2f}"
+            shape = "x".join(str(o[k]) for k in "MKN")
+            print(
+                f"{o['op']:18} {shape:>17} {o['layout']:3} {cells} "
+                f"{eta:>5} {o['host_plain']:5.3f}/{o['host_overlap']:5.3f} {o['error']:8.1e}"
+            )
+        for mode, prof in breakdown["profiles"].items():
+            print(f"\n{mode}: GPU ms per training step by kind of kernel: "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in prof["kinds"].items()))  # fmt: skip
     write_json(args, dev, R, timing_meaningful, rows, errors, tol)
+    if breakdown or skipped:  # (added to the JSON write_json wrote)
+        path = pathlib.Path(args.out)
+        data = json.loads(path.read_text())
+        data.update(skipped=skipped, breakdown=breakdown)
+        path.write_text(json.dumps(data, indent=1) + "\n")
 
 
 def main() -> None:
     """Parses the arguments; spawns 2 CPU ranks, or runs as a torchrun worker."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_options(ap, SMALL, "bench_out/model_bench.json")
-    ap.add_argument("--sequence-parallel", choices=("0", "1", "both"), default="both")
-    ap.add_argument("--profile", metavar="PATH", help="GPU: cProfile of the library's step "
-                    "(rank 0) to PATH.sp0.txt / PATH.sp1.txt")  # fmt: skip
+    ap.add_argument(
+        "--dims",
+        choices=tuple(DIMS),
+        default=None,
+        help="hidden, ffn, heads, kv heads (default: small on CPU, 8b on GPUs)",
+    )
+    ap.add_argument("--modes", default=",".join(MODES), help="comma-separated (plain first)")
+    ap.add_argument("--layouts", default="fused,separate")
+    ap.add_argument("--eager", action="store_true", help="compiled modes run uncompiled")
+    ap.add_argument("--breakdown", action="store_true", help="every collective op, and profiles")
     args = ap.parse_args()
-    launch(args, fill_defaults(args, SMALL, LARGE), bench, "model_bench.py")
+    cpu = fill_defaults(args, SMALL, LARGE)
+    args.dims = args.dims or ("small" if cpu else "8b")
+    args.modes = [m for m in args.modes.split(",") if m]
+    args.layouts = [x for x in args.layouts.split(",") if x]
+    bad = [m for m in args.modes if m not in MODES] + \
+        [x for x in args.layouts if x not in ("fused", "separate")]  # fmt: skip
+    if bad or not args.modes or args.modes[0] != "plain":
+        sys.exit(f"model_bench.py: --modes from {MODES}, plain first; --layouts from fused, "
+                 f"separate (got {bad or args.modes})")  # fmt: skip
+    launch(args, cpu, bench, "model_bench.py")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from .layers import (
     _Scatter,
     _Sharded,
     _split,
+    share_input,
 )
 
 # the entries of a transformers plan that parallelize applies: (layer, its options)
@@ -65,17 +66,23 @@ def parallelize(
     ``sequence_parallel``: between the layers, every rank holds only its tokens, sequence
     first: ``[b, s, h]`` -> ``[s / R, b, h]`` (``s`` divisible by ``R``; so not for one-token
     decoding). The norms, residual adds and MLPs run on those shards (gate/up gather them
-    overlapped, down reduce-scatters overlapped, norms' gradients summed over the ranks);
-    attention needs whole sequences, so its input is gathered (plain all-gather; q/k/v are
-    plain column layers) and its o projection reduce-scatters overlapped. Hooks on the base
-    model do the layout: the first decoder layer's input is split, each attention's input
-    gathered, o's input made sequence first, the final ``norm``'s input gathered back to
-    ``[b, s, h]``. That needs ``base_model.layers`` and ``base_model.norm``, attention modules
-    whose class name ends in ``Attention`` holding the q/k/v/o of the plan, plain
+    once, overlapped, down reduce-scatters overlapped, norms' gradients summed over the
+    ranks); attention needs whole sequences, so a pre-hook gathers its input once and makes
+    q/k/v's products in the same overlapped ``all_gather_matmul`` (q/k/v are column layers
+    of the whole input that take those products), and its o projection reduce-scatters
+    overlapped. Hooks on the base model do the layout: the first decoder layer's input is
+    split, each attention's input gathered, o's input made sequence first, the final
+    ``norm``'s input gathered back to ``[b, s, h]``. That needs ``base_model.layers`` and
+    ``base_model.norm``, attention modules whose class name ends in ``Attention`` holding the
+    q/k/v/o of the plan (q/k/v of one input width), plain
     ``colwise``/``rowwise``/``replicated_with_grad_allreduce`` entries only, and in the layers
     no parameters outside the plan's linears and the attention but norms'; other models raise
     ``NotImplementedError``. Hidden states returned by ``output_hidden_states`` are the
     ``[s / R, b, h]`` shards.
+
+    Column layers of one module that take inputs of one width (q/k/v, gate/up) share their
+    input (``share_input``): one gather of it, or one matmul, and one collective for their
+    input gradient.
 
     At world size 1 (or without an initialized process group and ``group=None``) it returns
     ``model`` unchanged.
@@ -111,6 +118,7 @@ def parallelize(
     if sequence_parallel:
         _check_sequence_parallel(base, named, attention)
 
+    siblings: dict[tuple[str, int], list[ColumnParallelLinear]] = {}
     for name, module, style in named:
         if style == "replicated_with_grad_allreduce":
             for p in module.parameters():
@@ -119,12 +127,18 @@ def parallelize(
         parent_name, _, child = name.rpartition(".")
         cls, kw = _STYLES[style]
         in_attention = parent_name in attention
-        # attention gets whole sequences: its q/k/v are plain column layers
+        # attention gets whole sequences: its q/k/v are column layers of the whole input,
+        # which a pre-hook gathers once for all of them (_sequence_parallel_hooks)
         sp = sequence_parallel and not (in_attention and cls is ColumnParallelLinear)
         layer = cls.from_linear(module, group, sequence_parallel=sp, **kw)
         setattr(base.get_submodule(parent_name), child, layer)
         if sp and in_attention:  # o: [b, s, in / R] -> [s, b, in / R], the tokens seq first
             layer.register_forward_pre_hook(lambda m, args: (args[0].transpose(0, 1),))
+        if style == "colwise":  # a module's column layers of one width share its input
+            siblings.setdefault((parent_name, layer.in_features), []).append(layer)
+    for (parent_name, _), layers in siblings.items():
+        if len(layers) > 1 or parent_name in attention:
+            share_input(*layers)
     if sequence_parallel:
         _sequence_parallel_hooks(base, attention, group, R, rank)
     return model
@@ -186,6 +200,13 @@ def _check_sequence_parallel(base: nn.Module, named: list, attention: set) -> No
             "one. Recipe: split the tokens after the embedding, gather them before each "
             "attention and after the last norm, sequence first for the row layers"
         )
+    for a in attention:
+        widths = {m.in_features for n, m, s in named if s == "colwise" and n.startswith(a + ".")}
+        if len(widths) != 1:
+            raise NotImplementedError(
+                f"sequence_parallel: {a}'s column layers take inputs of widths "
+                f"{sorted(widths)}; one input width (the hidden size) is needed"
+            )
     covered = {n for n, _, s in named if s in _STYLES} | attention
     for name, module in layers.named_modules(prefix="layers"):
         inside = any(name == c or name.startswith(c + ".") for c in covered)
@@ -218,8 +239,10 @@ def _sequence_parallel_hooks(base: nn.Module, attention: set, group, R: int, ran
         return pre
 
     layers[0].register_forward_pre_hook(hook(to_shards), with_kwargs=True)
-    for name in attention:
-        base.get_submodule(name).register_forward_pre_hook(hook(to_whole), with_kwargs=True)
+    for name in attention:  # q/k/v's one gather: their products made with the whole input
+        module = base.get_submodule(name)
+        column = next(m for m in module.children() if isinstance(m, ColumnParallelLinear))
+        module.register_forward_pre_hook(hook(column.siblings.gather), with_kwargs=True)
     norm.register_forward_pre_hook(hook(to_whole), with_kwargs=True)
     # replicated parameters between the split and the final norm see this rank's tokens only
     sharded = {p for m in base.modules() if isinstance(m, _Sharded) for p in m.parameters()}

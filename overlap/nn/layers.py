@@ -55,6 +55,7 @@ from torch import nn
 
 from ..context import check_group
 from ..ops import all_gather_matmul, matmul_collective
+from ..ops.gather import side_by_side
 
 
 def _rank_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
@@ -229,16 +230,19 @@ class ColumnParallelLinear(_Sharded):
         super().__init__(in_features, out_features, bias, group, sequence_parallel, device, dtype)
         self.gather_output = gather_output
 
+    # (share_input: the layers sharing this one's input, and this layer's place among them)
+    siblings: _Siblings | None = None
+    sibling: int = 0
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., in]`` (sequence parallel: ``[T / R, ..., in]``) -> ``[..., out / R]``
         (``gather_output``: ``[..., out]``)."""
         if self.world_size == 1:
             return self._whole(x)
-        if self.sequence_parallel:
-            y = all_gather_matmul(x, self.weight.t(), group=self.group)
-            y = y.view(x.shape[0] * self.world_size, *x.shape[1:-1], y.shape[-1])
+        if self.siblings is not None:
+            y = self.siblings.take(self.sibling, x)
         else:
-            y = _Column.apply(x, self.weight, self.group)
+            y = _products([self], x)[0]
         if self.bias is not None:
             y = y + self.bias
         if self.gather_output:
@@ -296,6 +300,106 @@ class RowParallelLinear(_Sharded):
         # under sequence parallelism each rank adds the bias to its own tokens only, so its
         # gradient is summed over the ranks (Megatron leaves that to its optimizer step)
         return y + (_SumGrad.apply(self.bias, self.group) if self.sequence_parallel else self.bias)
+
+
+def share_input(*layers: ColumnParallelLinear) -> None:
+    """Declares column layers that are called on one input, one after another (q/k/v of an
+    attention, gate/up of an MLP): the first call computes every layer's product, with one
+    gather of the input under sequence parallelism (``all_gather_matmul`` of the list of
+    weights) and one matmul otherwise, and the backward sums their input gradients in one
+    overlapped collective (one reduce-scatter, or one all-reduce, instead of one per layer);
+    the other layers take their products. ``overlap.nn.parallelize`` calls it for the column
+    layers of each module that share an input.
+
+    The layers' weights move into one tensor (each ``weight`` stays the same ``Parameter``,
+    now a view of it; make optimizers after this call or before, either works), so that the
+    products multiply by all of them without a copy. A layer called on another tensor than
+    the one its siblings were last called on (or on one modified in place since) computes
+    every product afresh; one called while a sibling has not yet taken its product from the
+    last input stops the sharing for good (the layers are evidently not called on one input),
+    and each layer then computes alone, as before this call.
+
+    Raises:
+        TypeError: a layer is not a ``ColumnParallelLinear``.
+        ValueError: the layers differ in group, ``sequence_parallel``, ``in_features``, dtype
+            or device, or one already shares its input.
+    """
+    for layer in layers:
+        if not isinstance(layer, ColumnParallelLinear):
+            raise TypeError(f"layers must be ColumnParallelLinear, got {type(layer).__name__}")
+        if layer.siblings is not None:
+            raise ValueError("a layer already shares its input (share_input was called on it)")
+    first = layers[0] if layers else None
+    for layer in layers[1:]:
+        for what in ("group", "sequence_parallel", "in_features"):
+            if getattr(layer, what) != getattr(first, what):
+                raise ValueError(f"the layers differ in {what}: {getattr(first, what)!r} and "
+                                 f"{getattr(layer, what)!r}")  # fmt: skip
+        for what in ("dtype", "device"):
+            if getattr(layer.weight, what) != getattr(first.weight, what):
+                raise ValueError(f"the layers' weights differ in {what}")
+    if first is None or first.world_size == 1:
+        return  # (world size 1: each layer is nn.Linear's product)
+    fused = torch.cat([layer.weight.detach() for layer in layers])
+    siblings = _Siblings(layers)
+    rows = fused.split([layer.weight.shape[0] for layer in layers])
+    for i, (layer, part) in enumerate(zip(layers, rows, strict=True)):
+        layer.weight.data = part  # (the same Parameter: optimizers made before still hold it)
+        layer.siblings, layer.sibling = siblings, i
+
+
+class _Siblings:
+    """The column layers of one ``share_input`` call and the products computed for the last
+    input: ``take(i, x)`` returns layer ``i``'s, computing all of them at a miss."""
+
+    def __init__(self, layers) -> None:
+        self.layers, self.shared = list(layers), True
+        self.x, self.version, self.pending = None, None, []
+
+    def take(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """Layer ``i``'s product ``[..., N_i]`` (its bias not added) for input ``x``."""
+        hit = x is self.x and (torch.compiler.is_compiling() or x._version == self.version)
+        if hit and self.pending[i] is not None:
+            y, self.pending[i] = self.pending[i], None
+            if all(p is None for p in self.pending):
+                self.x, self.pending = None, []  # (drop the input and the products)
+            return y
+        if any(p is not None for p in self.pending):  # a sibling never took its product
+            self.shared, self.x, self.pending = False, None, []
+        if not self.shared:
+            return _products([self.layers[i]], x)[0]
+        self.keep(x, _products(self.layers, x))
+        return self.take(i, x)
+
+    def keep(self, x: torch.Tensor, products: list[torch.Tensor]) -> None:
+        """Every layer's product for input ``x``, for the layers' calls to take."""
+        self.x, self.version, self.pending = x, x._version, list(products)
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Sequence parallel, for layers called on the whole input (attention): this rank's
+        tokens ``[s / R, b, K]`` gathered (returned as ``[b, s, K]``) and every layer's
+        product for it (``[b, s, N_i]``) computed in one ``all_gather_matmul``; the
+        layers' calls on the returned tensor take them."""
+        first = self.layers[0]
+        ws = [layer.weight.t() for layer in self.layers]
+        ys, full = all_gather_matmul(x, ws, group=first.group, return_gathered=True)
+        s, b = x.shape[0] * first.world_size, math.prod(x.shape[1:-1])
+        whole = full.view(s, b, full.shape[-1]).transpose(0, 1)
+        self.keep(whole, [y.view(s, b, y.shape[-1]).transpose(0, 1) for y in ys])
+        return whole
+
+
+def _products(layers: list[ColumnParallelLinear], x: torch.Tensor) -> list[torch.Tensor]:
+    """Each column layer's product ``[..., N_i]`` (no bias) for input ``x`` (sequence
+    parallel: this rank's tokens, gathered once), with one matmul of their weights side by
+    side."""
+    first = layers[0]
+    ws = [layer.weight.t() for layer in layers]
+    if first.sequence_parallel:
+        lead = (x.shape[0] * first.world_size, *x.shape[1:-1])
+        return [y.view(*lead, y.shape[-1]) for y in all_gather_matmul(x, ws, group=first.group)]
+    y = _Column.apply(x, side_by_side(ws).t(), first.group)
+    return list(y.split([w.shape[1] for w in ws], dim=-1))
 
 
 def _init(weight: nn.Parameter, bias: nn.Parameter | None, fan_in: int) -> None:

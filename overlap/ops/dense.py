@@ -192,11 +192,12 @@ def _backward_op(
     sends: list[int] | None = None, receives: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``(dx [.., K], dw [K, N])`` of ``matmul_collective`` or ``all_gather_matmul`` (empty
-    where not needed), with tensor parallelism's conventions (Megatron's), from the
-    result's gradient ``g``. ``x``: the forward's input (the all-gather's: ``x_full``, and
-    ``dx`` is then this rank's ``[m, K]``); ``g_x``: the gradient of ``x_full`` where the
-    caller used it, else None; ``sends``, ``receives``: an uneven all-to-all's splits (its
-    backward is the all-to-all back, ``Collective.backward``).
+    where not needed; ``dw`` has ``w``'s strides, as ``torch.empty_like(w)``), with tensor
+    parallelism's conventions (Megatron's), from the result's gradient ``g``. ``x``: the
+    forward's input (the all-gather's: ``x_full``, and ``dx`` is then this rank's ``[m, K]``);
+    ``g_x``: the gradient of ``x_full`` where the caller used it, else None; ``sends``,
+    ``receives``: an uneven all-to-all's splits (its backward is the all-to-all back,
+    ``Collective.backward``).
 
     Where the collective has a ``dual`` (``overlap/collectives.py``), ``dx`` is the dual's
     overlapped matmul of ``g`` and ``w^T``: reduce-scatter's is ``all_gather_matmul(g, w^T)``,
@@ -236,7 +237,10 @@ def _backward_op(
         gp = spec.backward(g2, pg, None if sends is None else (sends, receives))
     if need_dx:
         dx = (gp @ w.t()).reshape(x.shape)
-    dw = x2.t() @ gp if need_dw else w.new_empty(0)
+    dw = w.new_empty(0)
+    if need_dw:  # in w's own layout: w = weight.t() gets weight.grad without a transposing copy
+        dw = torch.empty_like(w)
+        torch.mm(x2.t(), gp, out=dw)
     return dx, dw
 
 
@@ -245,7 +249,8 @@ def _(g, x, w, collective_name, group, op, need_dx, need_dw, g_x=None, sends=Non
     dx_shape = x.shape
     if collective(collective_name).before:
         dx_shape = (x.shape[0] // world(group_of(group)), x.shape[1])
-    return (x.new_empty(dx_shape if need_dx else 0), w.new_empty(w.shape if need_dw else 0))
+    return (x.new_empty(dx_shape if need_dx else 0),
+            torch.empty_like(w) if need_dw else w.new_empty(0))  # fmt: skip
 
 
 def _setup(ctx, inputs, output) -> None:
