@@ -346,13 +346,17 @@ def _applies(mode: str, dev: torch.device) -> str | None:
     return None
 
 
-def _mode_context(mode: str, args):
+def _mode_context(mode: str):
     """What ``mode`` runs under: async-TP's inductor pass and symmetric memory."""
     if mode != "async_tp":
         return contextlib.nullcontext()
+    import warnings
+
     from torch.distributed._symmetric_memory import enable_symm_mem_for_group
 
-    enable_symm_mem_for_group(dist.group.WORLD.group_name)
+    with warnings.catch_warnings():  # (deprecated, and unneeded, in newer torch)
+        warnings.simplefilter("ignore")
+        enable_symm_mem_for_group(dist.group.WORLD.group_name)
     return torch._inductor.config.patch(_micro_pipeline_tp=True)
 
 
@@ -371,7 +375,7 @@ def bench(args: argparse.Namespace, dev: torch.device, timing_meaningful: bool) 
         mesh = init_device_mesh(dev.type, (R,))
     torch._dynamo.config.cache_size_limit = 64
     mine = slice(rank * args.seq // R, (rank + 1) * args.seq // R)
-    rows, errors, skipped = [], {}, {}
+    rows, errors, skipped, failed = [], {}, {}, {}
     for layout in args.layouts:
         with torch.device(dev):
             torch.manual_seed(0)
@@ -387,38 +391,50 @@ def bench(args: argparse.Namespace, dev: torch.device, timing_meaningful: bool) 
             if why:
                 skipped[mode] = why
                 continue
-            model = build(mode, ref, mesh)
-            if mode in COMPILED and not args.eager:
-                for block in model:
-                    block.compile(dynamic=False)
             xs, gs = (x[mine], g[mine]) if mode in SP else (x, g)
-            with _mode_context(mode, args):
-                if reference is None:  # plain: the reference every mode is checked against
-                    y, dx = _step(model, xs, gs)
-                    grads = {n: p.grad for n, p in model.named_parameters() if "norm" not in n}
-                    reference = dict(y=y, dx=dx, grads=grads, rows=mine)
-                if mode != "nocomm":  # (the ceiling skips the sums: its results differ)
-                    errors[f"{layout}/{mode}"] = _errors(model, xs, gs, reference)
-                bad = {k: v for k, v in errors.get(f"{layout}/{mode}", {}).items() if not v < tol}
-                if bad:
-                    raise RuntimeError(f"{layout}/{mode} disagrees with plain: relative errors "
-                                       f"above {tol}: {bad}")  # fmt: skip
-                cuda = dev.type == "cuda"
-                with torch.no_grad():
-                    pre = time_ms(lambda: model(xs), args.iters, args.warmup, cuda)
-                train = time_ms(lambda: _step(model, xs, gs), args.iters, args.warmup, cuda)
-            rows.append(dict(layout=layout, mode=mode, sequence_parallel=mode in SP,
-                             compiled=mode in COMPILED and not args.eager, prefill_ms=pre,
-                             train_ms=train, prefill_tok_s=args.seq / pre * 1e3,
-                             train_tok_s=args.seq / train * 1e3))  # fmt: skip
-            model = None  # (its memory freed before the next mode's)
-            if cuda:
-                torch.cuda.empty_cache()
+            if reference is None:  # plain: the reference every mode is checked against
+                model = build(mode, ref, mesh)
+                y, dx = _step(model, xs, gs)
+                grads = {n: p.grad for n, p in model.named_parameters() if "norm" not in n}
+                reference, model = dict(y=y, dx=dx, grads=grads, rows=mine), None
+            try:  # (a mode that fails is reported, and the others still run)
+                rows.append(_run(args, layout, mode, ref, mesh, xs, gs, reference, errors, tol))
+            except Exception as e:
+                failed[f"{layout}/{mode}"] = f"{type(e).__name__}: {e}"[:800]
+                print(f"rank {rank}: {layout}/{mode} failed: {failed[f'{layout}/{mode}']}")
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()  # (the mode's memory, before the next mode's)
         del ref, reference
     _speedups(rows)
     breakdown = _breakdown(args, dev, dtype) if args.breakdown else None
     if rank == 0:
-        _report(args, dev, R, timing_meaningful, rows, errors, tol, skipped, breakdown)
+        _report(args, dev, R, timing_meaningful, rows, errors, tol, skipped, failed, breakdown)
+    if failed:
+        raise SystemExit(f"model_bench.py: {len(failed)} modes failed: {sorted(failed)}")
+
+
+def _run(args, layout, mode, ref, mesh, xs, gs, reference, errors, tol) -> dict:
+    """One mode of one layout: built, checked against ``reference``, timed; its row."""
+    model = build(mode, ref, mesh)
+    compiled = mode in COMPILED and not args.eager
+    if compiled:
+        for block in model:
+            block.compile(dynamic=False)
+    cuda = xs.is_cuda
+    with _mode_context(mode):
+        if mode != "nocomm":  # (the ceiling skips the sums: its results differ)
+            errors[f"{layout}/{mode}"] = _errors(model, xs, gs, reference)
+        bad = {k: v for k, v in errors.get(f"{layout}/{mode}", {}).items() if not v < tol}
+        if bad:
+            raise RuntimeError(f"{layout}/{mode} disagrees with plain: relative errors above "
+                               f"{tol}: {bad}")  # fmt: skip
+        with torch.no_grad():
+            pre = time_ms(lambda: model(xs), args.iters, args.warmup, cuda)
+        train = time_ms(lambda: _step(model, xs, gs), args.iters, args.warmup, cuda)
+    T = args.seq
+    return dict(layout=layout, mode=mode, sequence_parallel=mode in SP, compiled=compiled,
+                prefill_ms=pre, train_ms=train, prefill_tok_s=T / pre * 1e3,
+                train_tok_s=T / train * 1e3)  # fmt: skip
 
 
 def _speedups(rows: list[dict]) -> None:
@@ -595,7 +611,7 @@ def _breakdown(args, dev, dtype) -> dict:
     return dict(ops=ops, profiles=profiles)
 
 
-def _report(args, dev, R, timing_meaningful, rows, errors, tol, skipped, breakdown) -> None:
+def _report(args, dev, R, timing_meaningful, rows, errors, tol, skipped, failed, breakdown):
     """Prints the tables and writes the JSON (rank 0)."""
     print(f"{'layout':8} {'mode':12} {'prefill ms':>10} {'train ms':>9} {'x plain p/t':>12} "
           f"{'x torch_tp p/t':>15} {'x async_tp p/t':>15}")  # fmt: skip
@@ -611,6 +627,8 @@ def _report(args, dev, R, timing_meaningful, rows, errors, tol, skipped, breakdo
         )
     for mode, why in skipped.items():
         print(f"{mode}: not run ({why})")
+    for mode, why in failed.items():
+        print(f"{mode}: FAILED: {why}")
     print("relative errors against plain:", json.dumps(errors))
     if breakdown:
         cols = ("cublas", "kernel", "comm", "plain", "overlap", "saved")
@@ -628,10 +646,10 @@ def _report(args, dev, R, timing_meaningful, rows, errors, tol, skipped, breakdo
             print(f"\n{mode}: GPU ms per training step by kind of kernel: "
                   + ", ".join(f"{k} {v:.2f}" for k, v in prof["kinds"].items()))  # fmt: skip
     write_json(args, dev, R, timing_meaningful, rows, errors, tol)
-    if breakdown or skipped:  # (added to the JSON write_json wrote)
+    if breakdown or skipped or failed:  # (added to the JSON write_json wrote)
         path = pathlib.Path(args.out)
         data = json.loads(path.read_text())
-        data.update(skipped=skipped, breakdown=breakdown)
+        data.update(skipped=skipped, failed=failed, breakdown=breakdown)
         path.write_text(json.dumps(data, indent=1) + "\n")
 
 
