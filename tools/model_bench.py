@@ -399,6 +399,9 @@ def bench(args: argparse.Namespace, dev: torch.device, timing_meaningful: bool) 
                 reference, model = dict(y=y, dx=dx, grads=grads, rows=mine), None
             try:  # (a mode that fails is reported, and the others still run)
                 rows.append(_run(args, layout, mode, ref, mesh, xs, gs, reference, errors, tol))
+                if rank == 0:  # (as it goes: a run cut short keeps what it measured)
+                    print(f"{layout}/{mode}: prefill {rows[-1]['prefill_ms']:.3f} ms, train "
+                          f"{rows[-1]['train_ms']:.3f} ms", flush=True)  # fmt: skip
             except Exception as e:
                 failed[f"{layout}/{mode}"] = f"{type(e).__name__}: {e}"[:800]
                 print(f"rank {rank}: {layout}/{mode} failed: {failed[f'{layout}/{mode}']}")
