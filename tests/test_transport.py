@@ -134,7 +134,9 @@ def test_all_gather_protocol(kind, R, m, chunks, ahead, monkeypatch):
     """The all-gather through the copy engines and the call engine's consumer (cuBLAS per
     band, after ``arrived``): two calls in flight on every rank, a rank running ahead; every
     result row against float64 (a row read before its band arrived, or after the next call
-    overwrote it, would differ)."""
+    overwrote it, would differ), and (but in the first case) ``x_full``, which the
+    communication stream copies out of the receive slots, read by the caller stream after the
+    call."""
     sim, kernels, _ = install(monkeypatch)  # (no kernel runs: the consumer's are torch ops)
     g = torch.Generator().manual_seed(R * 100 + m)
     K, N, M = 24, 20, R * m
@@ -145,13 +147,16 @@ def test_all_gather_protocol(kind, R, m, chunks, ahead, monkeypatch):
     assert p.path == "overlap" and p.bands_per_block >= 2, p.describe()
     contexts = [Context(t, comms[r], r) for r, t in enumerate(ts)]
 
+    keep = (R, m) != (2, 64)
+
     def make():
         return [(torch.randn(m, K, generator=g), torch.randn(K, N, generator=g),
-                 torch.full((M, N), float("nan"))) for _ in range(R)]  # fmt: skip
+                 torch.full((M, N), float("nan")), torch.full((M, K) if keep else (0,),
+                 float("nan"))) for _ in range(R)]  # fmt: skip
 
-    def issue(r, ctx, x, w, out):
-        _engine._gathered(x, w, out, x.new_empty(0), p, ctx, type(ts[r]), False)
-        return out
+    def issue(r, ctx, x, w, out, full):
+        _engine._gathered(x, w, out, full, p, ctx, type(ts[r]), False)
+        return torch.cat((out, full), dim=1) if keep else out  # (on the caller stream)
 
     try:
         calls = two_calls(sim, R, ahead, issue, contexts, make)
@@ -160,7 +165,9 @@ def test_all_gather_protocol(kind, R, m, chunks, ahead, monkeypatch):
     for i, (inputs, outs, seen) in enumerate(calls):
         full = torch.cat([a[0] for a in inputs]).double()
         for r in range(R):
-            check(outs, seen, full @ inputs[r][1].double(), i, r, rtol=1e-5, atol=1e-5)
+            want = full @ inputs[r][1].double()
+            want = torch.cat((want, full), dim=1) if keep else want
+            check(outs, seen, want, i, r, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("kind", ["peer", "host"])
