@@ -192,8 +192,9 @@ def _backward_op(
     sends: list[int] | None = None, receives: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``(dx [.., K], dw [K, N])`` of ``matmul_collective`` or ``all_gather_matmul`` (empty
-    where not needed; ``dw`` has ``w``'s strides, as ``torch.empty_like(w)``), with tensor
-    parallelism's conventions (Megatron's), from the result's gradient ``g``. ``x``: the
+    where not needed; ``dw`` is the transpose of a contiguous tensor where ``w`` is, else
+    contiguous), with tensor parallelism's conventions (Megatron's), from the result's
+    gradient ``g``. ``x``: the
     forward's input (the all-gather's: ``x_full``, and ``dx`` is then this rank's ``[m, K]``);
     ``g_x``: the gradient of ``x_full`` where the caller used it, else None; ``sends``,
     ``receives``: an uneven all-to-all's splits (its backward is the all-to-all back,
@@ -238,10 +239,14 @@ def _backward_op(
     if need_dx:
         dx = (gp @ w.t()).reshape(x.shape)
     dw = w.new_empty(0)
-    if need_dw:  # in w's own layout: w = weight.t() gets weight.grad without a transposing copy
-        dw = torch.empty_like(w)
-        torch.mm(x2.t(), gp, out=dw)
+    if need_dw:  # w = weight.t() gets g^T x transposed: weight.grad with no transposing copy
+        dw = (gp.t() @ x2).t() if _transposed(w) else x2.t() @ gp
     return dx, dw
+
+
+def _transposed(w: torch.Tensor) -> bool:
+    """``w [K, N]`` is the transpose of a contiguous ``[N, K]`` (``weight.t()``)."""
+    return not w.is_contiguous() and w.t().is_contiguous()
 
 
 @_backward_op.register_fake
@@ -249,8 +254,10 @@ def _(g, x, w, collective_name, group, op, need_dx, need_dw, g_x=None, sends=Non
     dx_shape = x.shape
     if collective(collective_name).before:
         dx_shape = (x.shape[0] // world(group_of(group)), x.shape[1])
-    return (x.new_empty(dx_shape if need_dx else 0),
-            torch.empty_like(w) if need_dw else w.new_empty(0))  # fmt: skip
+    dw = w.new_empty(0)
+    if need_dw:
+        dw = w.new_empty(w.shape[::-1]).t() if _transposed(w) else w.new_empty(w.shape)
+    return x.new_empty(dx_shape if need_dx else 0), dw
 
 
 def _setup(ctx, inputs, output) -> None:
