@@ -155,6 +155,33 @@ def test_default_plans_for_the_bench_shapes():
     assert p.path == "overlap" and p.n_chunks == 8 and p.chunk_rows == 2048 and p.run_rows == 1024
 
 
+def test_plain_path_by_transport_and_link():
+    """The default plain path comes from the GEMM's time against the overlapped call's extra
+    host time (the copy engines' recorded calls cost less than NCCL per chunk) and from the
+    transfer it could hide over the link (``plan.plain_reason``)."""
+
+    def path(M, N, K, transport, link, collective="reduce_scatter"):
+        return make_plan(M, N, K, world_size=2, collective=collective, dtype_bits=16,
+                         transport=transport, link=link).path  # fmt: skip
+
+    # the o projection at 8B dims, 8192 tokens, TP 2 (1.4e11 FLOP, ~0.23 ms of GEMM)
+    assert path(8192, 4096, 2048, "ce", "peer") == "overlap"
+    assert path(8192, 4096, 2048, "torch", "peer") == "fallback"  # NCCL's ~0.4 ms of host
+    # 6.9e10 FLOP moving 4 MB: too little to hide over NVLink, worth it through host memory
+    assert path(2048, 2048, 8192, "ce", "peer") == "fallback"
+    assert path(2048, 2048, 8192, "ce", "host") == "overlap"
+    assert path(2048, 2048, 8192, "torch", "host") == "fallback"
+    for link in ("peer", "host", "network"):  # decode: nothing to gain anywhere
+        assert path(16, 8192, 4096, "ce", link) == "fallback"
+    # the all-gather judges N as K (each rank's N is its own): 8192 x 4096 rows gathered
+    gather = make_plan(8192, 1, 4096, world_size=2, collective="all_gather", dtype_bits=16,
+                       transport="ce", link="peer")  # fmt: skip
+    assert gather.path == "overlap"
+    gather = make_plan(8192, 1, 1024, world_size=2, collective="all_gather", dtype_bits=16,
+                       transport="ce", link="peer")  # fmt: skip
+    assert gather.path == "fallback" and "small product" in gather.reason
+
+
 @pytest.mark.parametrize("collective", COLLECTIVES)
 def test_plain_path_choices(collective):
     small = make_plan(16, 8192, 4096, world_size=2, collective=collective, dtype_bits=16)

@@ -56,7 +56,7 @@ for mode in "$@"; do
     suite) run_suite "${PYTEST_K:-}" ;;
     one_gpu)
       run_suite one_gpu
-      for c in all_reduce reduce_scatter all_gather; do  # (the all-gather overlaps from 2 M K K >= 2e11)
+      for c in all_reduce reduce_scatter all_gather; do
         shape=4096x8192x4096; [ $c = all_gather ] && shape=8192x8192x4096
         NCCL_P2P_DISABLE=1 timeout 120 "$PY" -m torch.distributed.run --nproc-per-node=2 tools/host_profile.py --one-gpu \
           --backend auto --collective $c --shape $shape --out "/tmp/host_$c.txt" > /dev/null 2>&1

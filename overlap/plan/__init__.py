@@ -12,12 +12,11 @@ Python (no torch, no Triton), testable anywhere.
 from .gather import GatherPlan, make_gather_plan
 from .kernel import Plan, make_plan, splits_rows
 from .split import DEFAULT_SPLIT_CHUNKS, SplitPlan, band_rows, make_split_plan
-from .tiles import MAX_CHUNKS, MIN_OVERLAP_FLOPS, Tiles, tiles_for
+from .tiles import MAX_CHUNKS, Tiles, plain_reason, tiles_for
 
 __all__ = [
     "DEFAULT_SPLIT_CHUNKS",
     "MAX_CHUNKS",
-    "MIN_OVERLAP_FLOPS",
     "GatherPlan",
     "Plan",
     "SplitPlan",
@@ -26,6 +25,7 @@ __all__ = [
     "make_gather_plan",
     "make_plan",
     "make_split_plan",
+    "plain_reason",
     "splits_rows",
     "tiles_for",
 ]

@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 
 from ..collectives import collective as _spec
-from .tiles import MAX_CHUNKS, MIN_OVERLAP_FLOPS, tiles_for
+from .tiles import MAX_CHUNKS, plain_reason, tiles_for
 
 
 @dataclass(frozen=True)
@@ -104,11 +104,13 @@ def make_gather_plan(
     chunks: int | None = None,
     blocked: bool = False,
     transport: str = "",
+    link: str = "",
 ) -> GatherPlan:
     """The plan of an all-gather of ``R`` shards ``[M / R, K]`` before a matmul
     (``GatherPlan``): about ``chunks`` chunks (by default what ``make_plan`` would choose for
     a square ``[M, K] @ [K, K]``, 2 to 4: ``N`` is each rank's own and must not decide),
-    bands of whole tile rows; ``blocked``: equal bands per shard, ``R * bands`` chunks.
+    bands of whole tile rows; ``blocked``: equal bands per shard, ``R * bands`` chunks;
+    ``transport``, ``link``: as ``make_plan``'s (the plain path judged with ``N = K``).
 
     Raises:
         ValueError: ``chunks`` outside [2, MAX_CHUNKS], or ``M`` not divisible by
@@ -124,9 +126,8 @@ def make_gather_plan(
         why = "world size 1: nothing to communicate"
     elif M == 0 or K == 0:
         why = "empty shards: nothing to gather"
-    elif chunks is None and not interpreter and 2 * M * K * K < MIN_OVERLAP_FLOPS:
-        why = (f"small gather ({2 * M * K * K:.2g} FLOP for N = K): per-call host work of the "
-               "overlapped path costs more than it can hide; pass chunks= to force it")  # fmt: skip
+    elif chunks is None and not interpreter:  # (N is each rank's own: judged as N = K)
+        why = plain_reason(2 * M * K * K, M * K * dtype_bits // 8 * (R - 1) / R, link, transport)
     if why is not None:
         return GatherPlan("fallback", why, M, K, R)
     t = tiles_for(M, dtype_bits, interpreter)

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 from ..collectives import collective as _spec
 from .gather import GatherPlan, make_gather_plan
-from .tiles import _GPU_TILES_16BIT, MAX_CHUNKS, MIN_OVERLAP_FLOPS, Tiles, tiles_for
+from .tiles import _GPU_TILES_16BIT, MAX_CHUNKS, Tiles, plain_reason, tiles_for
 
 
 @dataclass(frozen=True)
@@ -192,9 +192,12 @@ def make_plan(
     tiles: Tiles | None = None,
     blocked: bool = False,
     transport: str = "",
+    link: str = "",
 ) -> Plan | GatherPlan:
     """Choose the chunk plan for ``[M, K] @ [K, N]`` followed by ``collective`` over
-    ``world_size`` ranks, for the transport named ``transport`` (a label, ``Plan.transport``).
+    ``world_size`` ranks, for the transport named ``transport`` (``Plan.transport``) over
+    ``link`` (``comm.road``'s answer, "network" between hosts; "": NVLink): both decide,
+    with the sizes, whether the plain path is taken by default (``tiles.plain_reason``).
     ``"all_gather"`` (before the matmul) gets ``make_gather_plan``'s ``GatherPlan``, which
     uses neither ``N`` nor ``tiles``.
 
@@ -220,7 +223,7 @@ def make_plan(
     if spec.before:  # the all-gather's plan (never N's: the ranks' N may differ)
         return make_gather_plan(M, K, world_size=world_size, dtype_bits=dtype_bits,
                                 interpreter=interpreter, num_sms=num_sms, chunks=chunks,
-                                blocked=blocked, transport=transport)  # fmt: skip
+                                blocked=blocked, transport=transport, link=link)  # fmt: skip
     if chunks is not None and not 2 <= chunks <= MAX_CHUNKS:
         raise ValueError(f"chunks must be in [2, {MAX_CHUNKS}], got {chunks}")
     R = world_size
@@ -230,16 +233,10 @@ def make_plan(
         return _fallback("world size 1: nothing to communicate", collective, M, N, K, R)
     if M == 0 or N == 0:
         return _fallback("empty product", collective, M, N, K, R)
-    if chunks is None and not interpreter and 2 * M * N * K < MIN_OVERLAP_FLOPS:
-        return _fallback(
-            f"small product ({2 * M * N * K:.2g} FLOP): per-call host work of the overlapped "
-            "path costs more than it can hide; pass chunks= to force it",
-            collective,
-            M,
-            N,
-            K,
-            R,
-        )
+    moved = M * N * dtype_bits // 8 * (R - 1) / R * (2 if spec.replicated else 1)
+    small = plain_reason(2 * M * N * K, moved, link, transport)
+    if chunks is None and not interpreter and small:
+        return _fallback(small, collective, M, N, K, R)
     t = tiles or tiles_for(M, dtype_bits, interpreter)
     tm, tn = math.ceil(M / t.block_m), math.ceil(N / t.block_n)
     if chunks is None:

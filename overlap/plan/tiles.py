@@ -5,14 +5,38 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MAX_CHUNKS = 64  # counters per context; plans never exceed it
-# Below this many FLOP the planner picks the plain path by itself: the host must stay ahead of
-# the GPU. Measured on 2x H200 (BENCHMARKS.md, 2026-11-22): an overlapped call issued in full
-# costs 0.37-0.57 ms of host time (4-8 chunks), 0.25 ms with 2; decode shapes (M = 16, 128;
-# N = 8192, K = 4096) took 0.18-0.29 ms overlapped against 0.03-0.07 ms sequential. 2e11 FLOP
-# is about 0.27 ms of bf16 GEMM on an H200; the smallest bench shape (4096x8192x4096) has
-# 2.7e11. Repeated copy-engine calls (recorded graphs) now cost less host time than the plain
-# call: for them the threshold should come from two-GPU GPU times (NOTES.md, "Open ideas").
-MIN_OVERLAP_FLOPS = 2e11
+
+# The plain-path decision (``plain_reason``). An overlapped call hides at most the shorter of
+# its GEMM and its transfer, and costs more host time than the plain call: ~0.1 ms for the
+# copy engines' recorded calls, 0.3-0.45 ms for NCCL per chunk issued in full (NOTES.md). It
+# is worth it where the GEMM outlasts that host time (the host stays ahead of the GPU) and
+# the transfer it can hide is not negligible. Rates (H100 and H200, bf16): cuBLAS 660-800
+# TFLOP/s (600 here); per rank one way, NVLink ~150-200 GB/s (a 4096x8192 reduce-scatter in
+# 0.166 ms on 2 H200s), pinned host memory ~25 (NCCL's host road: 1.34 ms), between hosts 10.
+# At 8B dims and 8192 tokens on 2 H100s the o projection (8192x2048x4096, 1.4e11 FLOP)
+# took the plain path under the FLOP line of 2e11 that this replaced.
+GEMM_FLOP_PER_MS = 6e11
+LINK_BYTES_PER_MS = {"peer": 1.5e8, "host": 2.5e7, "network": 1e7}  # by ``comm.road``
+EXTRA_HOST_MS = {"ce": 0.1, "nccl": 0.4}  # by transport: the copy engines', else NCCL's
+MIN_HIDDEN_MS = 0.05
+
+
+def plain_reason(flop: float, moved: float, link: str, transport: str) -> str | None:
+    """Why a product of ``flop`` FLOP whose collective moves ``moved`` bytes per rank over
+    ``link`` (a road of ``LINK_BYTES_PER_MS``; "" is NVLink's) takes the plain path by
+    default, or None: its GEMM is shorter than the overlapped call's extra host time
+    (``transport`` "ce": the copy engines'), or it could hide under ``MIN_HIDDEN_MS``."""
+    gemm = flop / GEMM_FLOP_PER_MS
+    comm = moved / LINK_BYTES_PER_MS.get(link or "peer", LINK_BYTES_PER_MS["network"])
+    host = EXTRA_HOST_MS["ce" if transport == "ce" else "nccl"]
+    if gemm < host:
+        return (f"small product ({flop:.2g} FLOP, ~{gemm:.3f} ms of GEMM): an overlapped "
+                f"call costs ~{host} ms more host time; pass chunks= to force it")  # fmt: skip
+    if min(gemm, comm) < MIN_HIDDEN_MS:
+        return (f"small product ({flop:.2g} FLOP): at most ~{min(gemm, comm):.3f} ms of "
+                f"transfer to hide ({link or 'peer'}); pass chunks= to force it")  # fmt: skip
+    return None
+
 
 # Tile configs (block_m, block_n, block_k, num_warps, num_stages); the interpreter gets small
 # tiles so CPU tests stay fast. Measured on H200 (tools/gemm_sweep.py, BENCHMARKS.md), bf16,
