@@ -12,6 +12,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TOOL = ROOT / "tools" / "model_bench.py"
 
@@ -26,12 +28,13 @@ def test_model_bench_cpu(tmp_path):
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     res = json.loads(out.read_text())
     assert res["timing_meaningful"] is False and res["world_size"] == 2
-    modes = ("plain", "plain_sp", "nocomm", "overlap", "overlap_sp", "overlap_sp_c", "torch_tp")
+    modes = ("plain", "plain_sp", "nocomm", "nocomm_c", "overlap", "overlap_sp", "overlap_sp_c",
+             "torch_tp")  # fmt: skip
     got = {(r["layout"], r["mode"]) for r in res["rows"]}
     assert got == {(lay, m) for lay in ("fused", "separate") for m in modes}
     assert "P2P" in res["skipped"]["async_tp"]
     assert all(r["prefill_ms"] > 0 and r["train_ms"] > 0 for r in res["rows"])
-    checked = {(lay, m) for lay in ("fused", "separate") for m in modes if m != "nocomm"}
+    checked = {(lay, m) for lay in ("fused", "separate") for m in modes if "nocomm" not in m}
     assert set(res["errors"]) == {f"{lay}/{m}" for lay, m in checked}
     for errs in res["errors"].values():
         assert set(errs) == {"output", "input_grad", "weight_grad"}
@@ -39,3 +42,26 @@ def test_model_bench_cpu(tmp_path):
     ops = res["breakdown"]["ops"]
     assert len(ops) == 12 and {o["layout"] for o in ops} == {"nk", "kn"}
     assert all(o["error"] < 1e-5 for o in ops), [(o["op"], o["error"]) for o in ops]
+
+
+def test_timeline_attributes_a_step():
+    """``_timeline`` on a made-up trace: compute where an SM kernel (not NCCL's) runs,
+    transfers alone where only NCCL or copies run, idle where nothing does."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        from _benchrun import load
+
+        bench = load(TOOL, "model_bench_under_test")
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+
+    def ev(cat, name, ts, dur):
+        return dict(cat=cat, name=name, ts=ts, dur=dur)
+
+    events = [ev("kernel", "gemm_a", 0, 10), ev("kernel", "ncclDevKernel_x", 5, 15),
+              ev("gpu_memcpy", "Memcpy PtoP", 20, 10), ev("cpu_op", "aten::mm", 0, 99),
+              ev("kernel", "flash_b", 40, 10)]  # fmt: skip
+    t = bench._timeline(events, steps=2)
+    got = (t["wall_ms"], t["compute_ms"], t["exposed_comm_ms"], t["idle_ms"])
+    assert got == pytest.approx((0.025, 0.01, 0.01, 0.005))
+    assert t["gaps"][0] == (0.01, "Memcpy PtoP", "flash_b")

@@ -10,6 +10,7 @@ Modes (each from the same unsharded weights, every rank holding its shard):
 ``plain_sp``        the same with sequence parallelism: each module's input all-gathered once
                     (its gradient reduce-scattered), row linears reduce-scattered
 ``nocomm``          ``plain`` with every collective skipped: the same compute, the ceiling
+``nocomm_c``        ``nocomm`` under ``torch.compile``: the compiled modes' ceiling
 ``overlap``         ``overlap.nn`` layers, eager (separate projections share their input:
                     ``overlap.nn.share_input``)
 ``overlap_sp``      the same with sequence parallelism
@@ -32,8 +33,8 @@ backward of ``(y * g).sum()``), median ms over ``--iters`` after ``--warmup`` (c
 happen there), the slowest rank's; speedups over ``plain``, ``torch_tp`` and ``async_tp``.
 Every mode's output, input gradient and linear weights' gradients are checked against
 ``plain``'s (relative norm error under 3e-2 for 16-bit, 1e-4 for fp32, or the run fails;
-``nocomm`` is not checked: it sums nothing; the norms' weights are left out: under sequence
-parallelism their gradients are per-rank partial sums).
+the ``nocomm`` modes are not checked: they sum nothing; the norms' weights are left out:
+under sequence parallelism their gradients are per-rank partial sums).
 
 ``--breakdown`` (after the modes): every collective op of a layer's forward and backward,
 with and without sequence parallelism, at this run's shapes and in the layout autograd uses
@@ -80,10 +81,10 @@ DIMS = {  # hidden, ffn, heads, kv_heads
     "8b": (4096, 14336, 32, 8),
     "70b": (8192, 28672, 64, 8),
 }
-MODES = ("plain", "plain_sp", "nocomm", "overlap", "overlap_sp", "overlap_sp_c", "torch_tp",
-         "async_tp")  # fmt: skip
+MODES = ("plain", "plain_sp", "nocomm", "nocomm_c", "overlap", "overlap_sp", "overlap_sp_c",
+         "torch_tp", "async_tp")  # fmt: skip
 SP = {"plain_sp", "overlap_sp", "overlap_sp_c", "torch_tp", "async_tp"}
-COMPILED = {"overlap_sp_c", "torch_tp", "async_tp"}
+COMPILED = {"nocomm_c", "overlap_sp_c", "torch_tp", "async_tp"}
 
 
 # -- the model ---------------------------------------------------------------------------------
@@ -271,7 +272,7 @@ def build(mode: str, ref: list[Block], mesh) -> nn.Sequential:
                 layer = nn.Linear(linear.in_features, linear.out_features // R, bias=False)
                 layer.weight = nn.Parameter(_shard(linear, 0))
             else:
-                layer = PlainRow(_shard(linear, 1), sp, comm=mode != "nocomm")
+                layer = PlainRow(_shard(linear, 1), sp, comm=not mode.startswith("nocomm"))
             setattr(owner, child, layer.to(linear.weight.device))
         for owner in (block.attention, block.feed_forward):
             if mode in ("plain", "plain_sp"):
@@ -425,7 +426,7 @@ def _run(args, layout, mode, ref, mesh, xs, gs, reference, errors, tol) -> dict:
             block.compile(dynamic=False)
     cuda = xs.is_cuda
     with _mode_context(mode):
-        if mode != "nocomm":  # (the ceiling skips the sums: its results differ)
+        if not mode.startswith("nocomm"):  # (the ceiling skips the sums: results differ)
             errors[f"{layout}/{mode}"] = _errors(model, xs, gs, reference)
         bad = {k: v for k, v in errors.get(f"{layout}/{mode}", {}).items() if not v < tol}
         if bad:
@@ -559,8 +560,12 @@ def _kind(name: str) -> str:
     return "elementwise and other"
 
 
-def _profile(model, xs, gs, steps: int = 2) -> dict:
-    """GPU ms per kind of kernel and the top kernels over ``steps`` training steps."""
+def _profile(model, xs, gs, trace: str | None, steps: int = 2) -> dict:
+    """Over ``steps`` training steps: GPU ms per kind of kernel, the top kernels, and the
+    timeline per step (``_timeline``); ``trace``: where the Chrome trace goes (gzipped)."""
+    import gzip
+    import tempfile
+
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(2):
@@ -577,7 +582,54 @@ def _profile(model, xs, gs, steps: int = 2) -> dict:
             kinds[_kind(e.key)] = kinds.get(_kind(e.key), 0.0) + ms
             kernels[e.key] = kernels.get(e.key, 0.0) + ms
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:15]
-    return dict(kinds=dict(sorted(kinds.items(), key=lambda kv: -kv[1])), top=top)
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "trace.json")
+        prof.export_chrome_trace(path)
+        text = pathlib.Path(path).read_text()
+    if trace:
+        pathlib.Path(trace).write_bytes(gzip.compress(text.encode()))
+    timeline = _timeline(json.loads(text)["traceEvents"], steps)
+    return dict(kinds=dict(sorted(kinds.items(), key=lambda kv: -kv[1])), top=top, **timeline)
+
+
+def _timeline(events: list[dict], steps: int) -> dict:
+    """Per step, from a Chrome trace's GPU events: ``wall_ms`` (first to last), ``compute_ms``
+    (some SM kernel other than NCCL's running, on any stream), ``exposed_comm_ms`` (only
+    transfers: NCCL kernels or copies), ``idle_ms`` (nothing: the GPU waited for the host or
+    a stream wait); and the longest idle gaps with the events around them."""
+    gpu = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+                  and "dur" in e), key=lambda e: e["ts"])  # fmt: skip
+    if not gpu:
+        return {}
+
+    def comm(e):
+        return e["cat"] == "gpu_memcpy" or "nccl" in e["name"].lower()
+
+    def union(evs):
+        merged = []
+        for e in evs:
+            a, b = e["ts"], e["ts"] + e["dur"]
+            if merged and a <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], b)
+            else:
+                merged.append([a, b])
+        return merged
+
+    busy, compute = union(gpu), union([e for e in gpu if not comm(e)])
+    wall = busy[-1][1] - busy[0][0]
+    measure = [sum(b - a for a, b in m) for m in (busy, compute)]
+    gaps = sorted(((b[0] - a[1], a[1], b[0]) for a, b in zip(busy, busy[1:], strict=False)),
+                  reverse=True)[:8]  # fmt: skip
+
+    def around(t0, t1):  # the events that end at the gap's start and begin at its end
+        before = max((e for e in gpu if e["ts"] + e["dur"] <= t0), key=lambda e: e["ts"] + e["dur"])
+        after = min((e for e in gpu if e["ts"] >= t1), key=lambda e: e["ts"])
+        return before["name"][:60], after["name"][:60]
+
+    ms = 1e-3 / steps
+    return dict(wall_ms=wall * ms, compute_ms=measure[1] * ms,
+                exposed_comm_ms=(measure[0] - measure[1]) * ms, idle_ms=(wall - measure[0]) * ms,
+                gaps=[(g / 1e3, *around(t0, t1)) for g, t0, t1 in gaps])  # fmt: skip
 
 
 def _breakdown(args, dev, dtype) -> dict:
@@ -607,9 +659,10 @@ def _breakdown(args, dev, dtype) -> dict:
         for block in ref:
             interleave(block, R)
         mine = slice(dist.get_rank() * args.seq // R, (dist.get_rank() + 1) * args.seq // R)
-        for mode in ("plain", "overlap", "plain_sp", "overlap_sp"):
+        for mode in ("plain", "overlap", "plain_sp", "overlap_sp", "nocomm"):
             xs, gs = (x[mine], g[mine]) if mode in SP else (x, g)
-            profiles[mode] = _profile(build(mode, ref, None), xs, gs)
+            trace = f"{args.out}.{mode}.trace.json.gz" if dist.get_rank() == 0 else None
+            profiles[mode] = _profile(build(mode, ref, None), xs, gs, trace)
             torch.cuda.empty_cache()
     return dict(ops=ops, profiles=profiles)
 
@@ -645,9 +698,15 @@ def _report(args, dev, R, timing_meaningful, rows, errors, tol, skipped, failed,
                 f"{o['op']:18} {shape:>17} {o['layout']:3} {cells} "
                 f"{eta:>5} {o['host_plain']:5.3f}/{o['host_overlap']:5.3f} {o['error']:8.1e}"
             )
+        saved = sum(o["saved"] for o in breakdown["ops"] if "no SP" not in o["op"])
+        print(f"\nthe sequence-parallel ops' savings alone add up to {saved:.3f} ms per layer")
         for mode, prof in breakdown["profiles"].items():
-            print(f"\n{mode}: GPU ms per training step by kind of kernel: "
+            print(f"\n{mode}: per training step {prof['wall_ms']:.2f} ms on the GPU: compute "
+                  f"{prof['compute_ms']:.2f}, transfers alone {prof['exposed_comm_ms']:.2f}, "
+                  f"idle {prof['idle_ms']:.2f}; by kind of kernel: "
                   + ", ".join(f"{k} {v:.2f}" for k, v in prof["kinds"].items()))  # fmt: skip
+            for gap, before, after in prof["gaps"][:4]:
+                print(f"   idle {gap:.3f} ms after {before} before {after}")
     write_json(args, dev, R, timing_meaningful, rows, errors, tol)
     if breakdown or skipped or failed:  # (added to the JSON write_json wrote)
         path = pathlib.Path(args.out)
