@@ -160,13 +160,16 @@ def test_plain_path_by_transport_and_link():
     host time (the copy engines' recorded calls cost less than NCCL per chunk) and from the
     transfer it could hide over the link (``plan.plain_reason``)."""
 
-    def path(M, N, K, transport, link, collective="reduce_scatter"):
-        return make_plan(M, N, K, world_size=2, collective=collective, dtype_bits=16,
+    def path(M, N, K, transport, link, R=2):
+        return make_plan(M, N, K, world_size=R, collective="reduce_scatter", dtype_bits=16,
                          transport=transport, link=link).path  # fmt: skip
 
     # the o projection at 8B dims, 8192 tokens, TP 2 (1.4e11 FLOP, ~0.23 ms of GEMM)
     assert path(8192, 4096, 2048, "ce", "peer") == "overlap"
     assert path(8192, 4096, 2048, "torch", "peer") == "fallback"  # NCCL's ~0.4 ms of host
+    # at TP 4 a GEMM must outlast 0.2 ms: o (~0.11 ms) stays plain, down (~0.4 ms) overlaps
+    assert path(8192, 4096, 1024, "ce", "peer", R=4) == "fallback"
+    assert path(8192, 4096, 3584, "ce", "peer", R=4) == "overlap"
     # 6.9e10 FLOP moving 4 MB: too little to hide over NVLink, worth it through host memory
     assert path(2048, 2048, 8192, "ce", "peer") == "fallback"
     assert path(2048, 2048, 8192, "ce", "host") == "overlap"

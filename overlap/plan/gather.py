@@ -127,7 +127,8 @@ def make_gather_plan(
     elif M == 0 or K == 0:
         why = "empty shards: nothing to gather"
     elif chunks is None and not interpreter:  # (N is each rank's own: judged as N = K)
-        why = plain_reason(2 * M * K * K, M * K * dtype_bits // 8 * (R - 1) / R, link, transport)
+        moved = M * K * dtype_bits // 8 * (R - 1) / R
+        why = plain_reason(2 * M * K * K, moved, R, link, transport)
     if why is not None:
         return GatherPlan("fallback", why, M, K, R)
     t = tiles_for(M, dtype_bits, interpreter)

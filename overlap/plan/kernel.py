@@ -234,7 +234,7 @@ def make_plan(
     if M == 0 or N == 0:
         return _fallback("empty product", collective, M, N, K, R)
     moved = M * N * dtype_bits // 8 * (R - 1) / R * (2 if spec.replicated else 1)
-    small = plain_reason(2 * M * N * K, moved, link, transport)
+    small = plain_reason(2 * M * N * K, moved, R, link, transport)
     if chunks is None and not interpreter and small:
         return _fallback(small, collective, M, N, K, R)
     t = tiles or tiles_for(M, dtype_bits, interpreter)

@@ -7,31 +7,37 @@ from dataclasses import dataclass
 MAX_CHUNKS = 64  # counters per context; plans never exceed it
 
 # The plain-path decision (``plain_reason``). An overlapped call hides at most the shorter of
-# its GEMM and its transfer, and costs more host time than the plain call: ~0.1 ms for the
-# copy engines' recorded calls, 0.3-0.45 ms for NCCL per chunk issued in full (NOTES.md). It
-# is worth it where the GEMM outlasts that host time (the host stays ahead of the GPU) and
-# the transfer it can hide is not negligible. Rates (H100 and H200, bf16): cuBLAS 660-800
-# TFLOP/s (600 here); per rank one way, NVLink ~150-200 GB/s (a 4096x8192 reduce-scatter in
-# 0.166 ms on 2 H200s), pinned host memory ~25 (NCCL's host road: 1.34 ms), between hosts 10.
-# At 8B dims and 8192 tokens on 2 H100s the o projection (8192x2048x4096, 1.4e11 FLOP)
-# took the plain path under the FLOP line of 2e11 that this replaced.
+# its GEMM and its transfer, and costs more than the plain call: host time (~0.1 ms for the
+# copy engines' recorded calls, 0.3-0.45 ms for NCCL per chunk issued in full: NOTES.md) and
+# a GPU cost that grows with the peers (flags, a copy per peer and band). So the GEMM must
+# outlast the host's extra time (the host stays ahead of the GPU) and ``GEMM_MS_PER_RANK``
+# per rank, and the transfer it can hide must not be negligible. At 8B dims and 8192 tokens
+# (2 and 4 H100s, NVLink, 2026-11-27): the o projection's 0.19 ms GEMM saved 0.135 ms at TP 2,
+# but at TP 4 every op with a GEMM of 0.10-0.15 ms saved at most 0.07 ms and the all-reduces
+# and all-gathers among them lost up to 0.09 ms; ops of 0.31 ms or more saved 0.07-0.18 ms.
+# Rates (H100 and H200, bf16): cuBLAS 660-800 TFLOP/s (600 here); per rank one way, NVLink
+# ~150-200 GB/s (a 4096x8192 reduce-scatter in 0.166 ms on 2 H200s), pinned host memory ~25
+# (NCCL's host road: 1.34 ms), between hosts 10.
 GEMM_FLOP_PER_MS = 6e11
 LINK_BYTES_PER_MS = {"peer": 1.5e8, "host": 2.5e7, "network": 1e7}  # by ``comm.road``
 EXTRA_HOST_MS = {"ce": 0.1, "nccl": 0.4}  # by transport: the copy engines', else NCCL's
+GEMM_MS_PER_RANK = 0.05
 MIN_HIDDEN_MS = 0.05
 
 
-def plain_reason(flop: float, moved: float, link: str, transport: str) -> str | None:
-    """Why a product of ``flop`` FLOP whose collective moves ``moved`` bytes per rank over
-    ``link`` (a road of ``LINK_BYTES_PER_MS``; "" is NVLink's) takes the plain path by
-    default, or None: its GEMM is shorter than the overlapped call's extra host time
-    (``transport`` "ce": the copy engines'), or it could hide under ``MIN_HIDDEN_MS``."""
+def plain_reason(flop: float, moved: float, R: int, link: str, transport: str) -> str | None:
+    """Why a product of ``flop`` FLOP whose collective over ``R`` ranks moves ``moved`` bytes
+    per rank over ``link`` (a road of ``LINK_BYTES_PER_MS``; "" is NVLink's) takes the plain
+    path by default, or None: its GEMM is shorter than the overlapped call's extra host time
+    (``transport`` "ce": the copy engines') or than ``GEMM_MS_PER_RANK`` per rank, or it
+    could hide under ``MIN_HIDDEN_MS``."""
     gemm = flop / GEMM_FLOP_PER_MS
     comm = moved / LINK_BYTES_PER_MS.get(link or "peer", LINK_BYTES_PER_MS["network"])
-    host = EXTRA_HOST_MS["ce" if transport == "ce" else "nccl"]
-    if gemm < host:
+    floor = max(EXTRA_HOST_MS["ce" if transport == "ce" else "nccl"], GEMM_MS_PER_RANK * R)
+    if gemm < floor:
         return (f"small product ({flop:.2g} FLOP, ~{gemm:.3f} ms of GEMM): an overlapped "
-                f"call costs ~{host} ms more host time; pass chunks= to force it")  # fmt: skip
+                f"call costs more than it hides under ~{floor:.2f} ms; pass chunks= to force "
+                "it")  # fmt: skip
     if min(gemm, comm) < MIN_HIDDEN_MS:
         return (f"small product ({flop:.2g} FLOP): at most ~{min(gemm, comm):.3f} ms of "
                 f"transfer to hide ({link or 'peer'}); pass chunks= to force it")  # fmt: skip
