@@ -45,8 +45,9 @@ def test_model_bench_cpu(tmp_path):
 
 
 def test_timeline_attributes_a_step():
-    """``_timeline`` on a made-up trace: compute where an SM kernel (not NCCL's) runs,
-    transfers alone where only NCCL or copies run, idle where nothing does."""
+    """``_timeline`` on a made-up trace: from the end of the GPU sleep (another stream's work
+    before it left out), compute where an SM kernel (not NCCL's) runs, transfers alone where
+    only NCCL or copies run, idle where nothing does."""
     sys.path.insert(0, str(ROOT / "tools"))
     try:
         from _benchrun import load
@@ -58,7 +59,8 @@ def test_timeline_attributes_a_step():
     def ev(cat, name, ts, dur):
         return dict(cat=cat, name=name, ts=ts, dur=dur)
 
-    events = [ev("kernel", "gemm_a", 0, 10), ev("kernel", "ncclDevKernel_x", 5, 15),
+    events = [ev("kernel", "zero_flags", -500, 1), ev("kernel", "at::spin_kernel", -400, 400),
+              ev("kernel", "gemm_a", 0, 10), ev("kernel", "ncclDevKernel_x", 5, 15),
               ev("gpu_memcpy", "Memcpy PtoP", 20, 10), ev("cpu_op", "aten::mm", 0, 99),
               ev("kernel", "flash_b", 40, 10)]  # fmt: skip
     t = bench._timeline(events, steps=2)

@@ -582,7 +582,7 @@ def _profile(model, xs, gs, trace: str | None, steps: int = 2) -> dict:
     kinds, kernels = {}, {}
     for e in prof.key_averages():
         ms = getattr(e, "self_device_time_total", 0) / 1e3 / steps
-        if ms > 0:
+        if ms > 0 and "spin_kernel" not in e.key:  # (not the sleep)
             kinds[_kind(e.key)] = kinds.get(_kind(e.key), 0.0) + ms
             kernels[e.key] = kernels.get(e.key, 0.0) + ms
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:15]
@@ -601,16 +601,11 @@ def _timeline(events: list[dict], steps: int) -> dict:
     (some SM kernel other than NCCL's running, on any stream), ``exposed_comm_ms`` (only
     transfers: NCCL kernels or copies), ``idle_ms`` (nothing: the GPU waited for the host or
     a stream wait); and the longest idle gaps with the events around them."""
-    gpu = sorted(
-        (
-            e
-            for e in events
-            if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
-            and "dur" in e
-            and "spin_kernel" not in e["name"]  # (torch.cuda._sleep's)
-        ),
-        key=lambda e: e["ts"],
-    )
+    gpu = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+                  and "dur" in e), key=lambda e: e["ts"])  # fmt: skip
+    # from the end of torch.cuda._sleep's kernel (work of other streams may run before it)
+    start = max((e["ts"] + e["dur"] for e in gpu if "spin_kernel" in e["name"]), default=None)
+    gpu = [e for e in gpu if start is None or e["ts"] >= start]
     if not gpu:
         return {}
 
