@@ -565,7 +565,9 @@ def _profile(model, xs, gs, trace: str | None, steps: int = 2) -> dict:
     timeline per step (``_timeline``); ``trace``: where the Chrome trace goes (gzipped). The
     GPU sleeps first while the host queues the steps (the profiler slows the host: without
     it, up to 45% of a profiled step was the GPU waiting for the host), so that idle time on
-    the GPU is waiting for a transfer or a wait the host itself made."""
+    the GPU is waiting for a transfer or a wait the host itself made; the ranks meet at a
+    barrier first (without it, at TP 4, plain's first all-reduce absorbed the ranks' skew: 7
+    ms of "transfers alone")."""
     import gzip
     import tempfile
 
@@ -574,6 +576,7 @@ def _profile(model, xs, gs, trace: str | None, steps: int = 2) -> dict:
     for _ in range(2):
         _step(model, xs, gs)
     torch.cuda.synchronize()
+    dist.barrier()  # (the ranks' sleeps end together: skew would count as transfer time)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         torch.cuda._sleep(400_000_000)  # (~0.2 s: the host queues the steps before they run)
         for _ in range(steps):
