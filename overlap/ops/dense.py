@@ -194,11 +194,10 @@ def _backward_op(
     """``(dx [.., K], dw [K, N])`` of ``matmul_collective`` or ``all_gather_matmul`` (empty
     where not needed; ``dw`` is the transpose of a contiguous tensor where ``w`` is, else
     contiguous), with tensor parallelism's conventions (Megatron's), from the result's
-    gradient ``g``. ``x``: the
-    forward's input (the all-gather's: ``x_full``, and ``dx`` is then this rank's ``[m, K]``);
-    ``g_x``: the gradient of ``x_full`` where the caller used it, else None; ``sends``,
-    ``receives``: an uneven all-to-all's splits (its backward is the all-to-all back,
-    ``Collective.backward``).
+    gradient ``g``. ``x``: the forward's input (the all-gather's: ``x_full``, and ``dx`` is
+    then this rank's ``[m, K]``); ``g_x``: the gradient of ``x_full`` where the caller used
+    it, else None; ``sends``, ``receives``: an uneven all-to-all's splits (its backward is
+    the all-to-all back, ``Collective.backward``).
 
     Where the collective has a ``dual`` (``overlap/collectives.py``), ``dx`` is the dual's
     overlapped matmul of ``g`` and ``w^T``: reduce-scatter's is ``all_gather_matmul(g, w^T)``,
