@@ -32,7 +32,7 @@ def test_readme_example_runs():
     assert "relative error vs float64" in done.stdout
     assert done.stdout.count("through torch: 4 chunks") == 2, done.stdout  # both ranks overlap
     assert "ok: 2 CPU ranks" in done.stdout
-    assert "all_reduce  overlap via torch      1" in done.stdout, done.stdout  # overlap.stats()
+    assert "matmul_collective  overlap via torch      1" in done.stdout, done.stdout  # stats()
 
 
 def test_decoder_layer_example_runs():

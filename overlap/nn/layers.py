@@ -54,7 +54,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..context import check_group
-from ..ops import all_gather_matmul, matmul_collective
+from ..ops import all_gather_matmul, matmul_allreduce, matmul_reduce_scatter
 
 
 def _rank_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
@@ -92,7 +92,7 @@ class _Column(torch.autograd.Function):
         x, w = ctx.saved_tensors
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            dx = matmul_collective(g, w, "all_reduce", group=ctx.group)
+            dx = matmul_allreduce(g, w, group=ctx.group)
         if ctx.needs_input_grad[1]:
             dw = g.reshape(-1, g.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
         return dx, dw, None
@@ -285,10 +285,10 @@ class RowParallelLinear(_Sharded):
             return self._whole(x)
         if not self.input_is_parallel:
             x = _Scatter.apply(x, self.group, self.world_size, self.rank, -1)
-        coll = "reduce_scatter" if self.sequence_parallel else "all_reduce"
         if self.sequence_parallel:
             _split(x.shape[0], self.world_size, "the input's dim 0 (sequence parallel)")
-        y = matmul_collective(x, self.weight.t(), coll, group=self.group)
+        matmul = matmul_reduce_scatter if self.sequence_parallel else matmul_allreduce
+        y = matmul(x, self.weight.t(), group=self.group)
         if self.sequence_parallel:  # [T / R, N] -> this rank's rows of the leading dims
             y = y.reshape(x.shape[0] // self.world_size, *x.shape[1:-1], y.shape[-1])
         if self.bias is None:

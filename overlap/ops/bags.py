@@ -145,14 +145,14 @@ def _bags_forward(tables, indices, offsets, group, mode, rank_dims, backend, chu
             parts.append(F.embedding_bag(i[e[lo] : e[hi]], t, o[lo:hi] - e[lo], mode=mode))
         return torch.cat(parts, dim=1)
 
-    if R == 1:
-        return pool(0, B)
     # per chunk, elements (rows of width 1) received from and sent to every rank
     layout = [([(hi - lo) * d for d in rank_dims], [(hi - lo) * D] * R) for lo, hi in bands]
     sends, receives = tuple(b * D for _ in range(R)), tuple(b * d for d in rank_dims)
     agreed = {"bags": B, "mode": mode}  # (validation; with the splits B implies rank_dims)
-    call = _SplitCall(t0, group, backend, n, sends, receives, 1, 0, "embedding_bag_all_to_all",
-                      agreed)  # fmt: skip
+    call = _SplitCall(t0, group, backend, chunks, sends, receives, 1, 0,
+                      "embedding_bag_all_to_all", agreed)  # (n chunks)  # fmt: skip
+    if R == 1:  # (counted by _SplitCall, as every op's call)
+        return pool(0, B)
     p, s, starts = call.plan, call.stream, [sum(rank_dims[:s_]) for s_ in range(R)]
     with call:  # (its exit waits for the exchange, and closes the watch)
         out = t0.new_empty(b, sum(rank_dims))
