@@ -92,3 +92,16 @@ def test_expected_plain_path_is_not_logged(caplog):
     with caplog.at_level(logging.WARNING, logger="overlap"):
         overlap.matmul_allreduce(x, w)  # world size 1: nothing to say
     assert not [r for r in caplog.records if r.name == "overlap"]
+
+
+def test_bfloat16_in_the_interpreter_names_the_installed_triton():
+    import importlib.metadata
+
+    overlap.stats(reset=True)
+    x, w = torch.randn(64, 32).bfloat16(), torch.randn(32, 48).bfloat16()
+    with _fake_world():
+        overlap.matmul_allreduce(x, w, chunks=2)
+    ((how, n),) = overlap.stats(reset=True)["matmul_allreduce"].items()
+    version = importlib.metadata.version("triton")
+    assert how.startswith("plain: the Triton interpreter") and f"(triton {version})" in how, how
+
