@@ -105,3 +105,16 @@ def test_bfloat16_in_the_interpreter_names_the_installed_triton():
     version = importlib.metadata.version("triton")
     assert how.startswith("plain: the Triton interpreter") and f"(triton {version})" in how, how
 
+
+def test_a_call_before_init_process_group_does_not_answer_for_one_after(monkeypatch):
+    """The calls' memo (``context.calls``) keeps what a call was decided to run; a call made
+    at world size 1, before the process group, must be planned again once there is one."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    x, w = torch.randn(8, 4), torch.randn(4, 6)
+    overlap.matmul_allreduce(x, w)
+    overlap.stats(reset=True)
+    with _fake_world():
+        overlap.matmul_allreduce(x, w)
+    assert overlap.stats(reset=True) == {
+        "matmul_allreduce": {"plain: CPU tensors and TRITON_INTERPRET is not 1": 1}
+    }
