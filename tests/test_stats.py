@@ -43,8 +43,7 @@ def test_counts_by_op_and_path_and_reset():
 
 def test_every_op_is_counted_by_the_name_the_user_called():
     """Each public op counts its calls under its own name, eagerly and under autograd (the
-    custom op's path), whatever collective runs underneath; the layers count the ops they
-    call (docs/api.md's table)."""
+    custom op's path), whatever collective runs underneath."""
     overlap.stats(reset=True)
     x, w = torch.randn(8, 4), torch.randn(4, 6)
     w3, ids, splits = torch.randn(2, 4, 6), torch.zeros(8, dtype=torch.long), [8]
@@ -118,3 +117,25 @@ def test_a_call_before_init_process_group_does_not_answer_for_one_after(monkeypa
     assert overlap.stats(reset=True) == {
         "matmul_allreduce": {"plain: CPU tensors and TRITON_INTERPRET is not 1": 1}
     }
+
+
+def test_the_layers_count_the_ops_of_their_table(monkeypatch):
+    """Forward and backward of each layer (docs/api.md's table) on a fake world of 2 ranks:
+    counted under the public ops that run them."""
+    from overlap.nn import ColumnParallelLinear, RowParallelLinear
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    overlap.stats(reset=True)
+    with _fake_world():
+        for cls, sp, ops in (
+            (ColumnParallelLinear, False, {"matmul_allreduce"}),  # (the backward's)
+            (RowParallelLinear, False, {"matmul_allreduce"}),
+            (ColumnParallelLinear, True, {"all_gather_matmul", "matmul_reduce_scatter"}),
+            (RowParallelLinear, True, {"matmul_reduce_scatter", "all_gather_matmul"}),
+        ):
+            layer = cls(8, 8, bias=False, sequence_parallel=sp)
+            x = torch.randn(4, 8 // 2 if cls is RowParallelLinear else 8, requires_grad=True)
+            layer(x).sum().backward()
+            got = overlap.stats(reset=True)
+            assert set(got) == ops and all(sum(h.values()) == 1 for h in got.values()), (
+                cls.__name__, sp, got)  # fmt: skip
