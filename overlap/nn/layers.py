@@ -55,12 +55,14 @@ from torch import nn
 
 from ..context import check_group
 from ..ops import all_gather_matmul, matmul_allreduce, matmul_reduce_scatter
+from ..ops._checks import world
 
 
 def _rank_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
-    if group is None and not (dist.is_available() and dist.is_initialized()):
-        return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
+    """This rank's index in ``group`` and its size; ``(0, 1)`` without a process group (and
+    ``RuntimeError`` there under a launcher that set ``WORLD_SIZE`` > 1: ``ops.world``)."""
+    R = world(group)
+    return (dist.get_rank(group), R) if dist.is_available() and dist.is_initialized() else (0, 1)
 
 
 def _split(n: int, R: int, what: str) -> int:
