@@ -41,7 +41,8 @@ The weight gradients reuse the gathered tensors (the all-gather's ``x_full``, th
 size 1 (or without an initialized process group) both layers compute ``nn.Linear``'s result
 from the whole ``weight [out, in]`` and ``bias [out]``, but are not ``nn.Linear`` instances; a
 layer made before ``init_process_group`` raises ``RuntimeError`` when called once the default
-group has more ranks. ``torch.compile(fullgraph=True)`` keeps the library's
+group has more ranks (under a launcher that set ``WORLD_SIZE`` > 1, when made).
+``torch.compile(fullgraph=True)`` keeps the library's
 ops whole (they are custom ops).
 """
 

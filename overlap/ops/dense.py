@@ -52,7 +52,8 @@ def matmul_collective(
         w: ``[K, N]``, same dtype and device, any strides (``linear.weight.t()`` is fine).
         collective: "all_reduce", "reduce_scatter" or "all_to_all" (module docstring: shapes).
         group: process group; ``None`` is the default group (or world size 1 if
-            ``torch.distributed`` is not initialized).
+            ``torch.distributed`` is not initialized: ``RuntimeError`` where a launcher set
+            ``WORLD_SIZE`` > 1).
         op: "sum" or "avg" (reductions only; "avg" divides the product by R before the sum).
         out: optional contiguous result tensor of the result's shape, dtype and device,
             sharing no memory with ``x`` or ``w``.
@@ -82,6 +83,7 @@ def matmul_collective(
         ValueError: shape or device mismatch, unknown collective/op/backend, ``chunks`` out
             of range, ``M`` not divisible by R for reduce-scatter and all-to-all, ``out``
             with autograd or sharing memory with an input.
+        RuntimeError: no process group where a launcher set ``WORLD_SIZE`` > 1.
         overlap.RankMismatchError: (validation mode) the ranks' calls differ.
         TimeoutError: (validation mode) a rank did not arrive, or the call's collectives did
             not finish, within ``overlap.configure``'s timeout.
