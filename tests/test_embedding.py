@@ -80,6 +80,19 @@ def _cases(rank, R, seed):
             failures.append(f"{text}: no error")
         except (ValueError, TypeError) as e:
             failures += [] if text in str(e) else [f"{text}: unclear error {e}"]
+    # ranks that disagree on the batch or the mode, validation off: the widths' host
+    # collective (rank_dims=None) carries them, and every rank raises before the exchange
+    bags = torch.arange(4 * R)
+    for what, B, mode in (("batch", 2 * R if rank else 4 * R, "sum"),
+                          ("mode", 4 * R, "max" if rank else "sum")):  # fmt: skip
+        try:
+            overlap.embedding_bag_all_to_all([t], [bags[:B] % 5], [bags[:B]], mode=mode)
+            failures.append(f"ranks disagree on the {what}: no error")
+        except overlap.RankMismatchError as e:
+            if "rank 0: bags=" not in str(e) or f"rank {R - 1}: bags=" not in str(e):
+                failures.append(f"{what}: the error lacks the ranks' values: {e}")
+    got = overlap.embedding_bag_all_to_all([t], [bags % 5], [bags])  # the group goes on
+    failures += [] if got.shape == (4, 3 * R) else [f"after the mismatches: {tuple(got.shape)}"]
     dist.barrier()
     return failures
 
