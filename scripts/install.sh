@@ -59,7 +59,9 @@ MSG
     say "No torch yet: installing torch==$pin from $TORCH_INDEX"
   fi
   "$PY" -m pip install "torch==$pin" "${index[@]}"
-  torch_version=$("$PY" -c "import torch; print(torch.__version__)")
+  # (its metadata, not `import torch`: numpy comes with overlap below, and torch imported
+  # without it warns "Failed to initialize NumPy")
+  torch_version=$("$PY" -c "import importlib.metadata as m; print(m.version('torch'))")
 fi
 
 if [ "$cuda" = 1 ]; then
