@@ -1,7 +1,7 @@
-"""``overlap.nn`` on 2 and 4 gloo ranks (the kernels in Triton's interpreter): every layer
-variant's output and gradients (input, weight, bias) against float64 autograd of the unsharded
-``nn.Linear`` it was cut from; world size 1 computes ``nn.Linear``; bad sizes, a non-Linear
-to ``from_linear`` and a layer made before the process group raise."""
+"""``overlap.nn`` on 2 and 4 gloo ranks and on subgroups of 4 (the kernels in Triton's
+interpreter): every layer variant's output and gradients (input, weight, bias) against float64
+autograd of the unsharded ``nn.Linear`` it was cut from; world size 1 computes ``nn.Linear``;
+bad sizes, a non-Linear to ``from_linear`` and a layer made before the process group raise."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from _dist import mismatch, spawn
+from _dist import mismatch, on_subgroups, spawn
 from torch import nn
 
 from overlap.nn import ColumnParallelLinear, RowParallelLinear
@@ -18,7 +18,7 @@ from overlap.nn import ColumnParallelLinear, RowParallelLinear
 TOL = 1e-5
 
 
-def _layer_case(rank, R, seed, kind, kw, lead):
+def _layer_case(rank, R, seed, kind, kw, lead, group=None):
     """One layer of ``kind`` ("column" or "row") with options ``kw`` on ``x [*lead, in]``
     (sequence parallel: this rank's ``lead[0] / R`` rows of it); a failure message or None."""
     g = torch.Generator().manual_seed(seed)
@@ -41,7 +41,7 @@ def _layer_case(rank, R, seed, kind, kw, lead):
     T = lead[0] // R
     mine = slice(rank * T, (rank + 1) * T)  # this rank's tokens (sequence parallel)
     if kind == "column":
-        layer = ColumnParallelLinear.from_linear(full, **kw)
+        layer = ColumnParallelLinear.from_linear(full, group=group, **kw)
         n = fout // R
         cols = slice(rank * n, (rank + 1) * n)
         x = (x_full[mine] if sp else x_full).clone().requires_grad_()
@@ -51,7 +51,7 @@ def _layer_case(rank, R, seed, kind, kw, lead):
         w_ref, b_ref = ref.weight.grad[cols], ref.bias.grad[cols]
         dx_ref = xr.grad[mine] if sp else xr.grad
     else:
-        layer = RowParallelLinear.from_linear(full, **kw)
+        layer = RowParallelLinear.from_linear(full, group=group, **kw)
         n = fin // R
         cols = slice(rank * n, (rank + 1) * n)
         parallel = kw.get("input_is_parallel", True)
@@ -87,11 +87,12 @@ CASES = [
 ]
 
 
-def _layers(rank, R, seed):
+def _layers(rank, R, seed, group=None):
     failures = []
+    leads = ((8 * R, 6), (16 * R,)) if group is None else ((8 * R, 6),)  # [s, b] tokens, 2-D
     for i, (kind, kw) in enumerate(CASES):
-        for j, lead in enumerate(((8 * R, 6), (16 * R,))):  # [s, b] tokens, and 2-D
-            msg = _layer_case(rank, R, seed + 10 * i + j, kind, kw, lead)
+        for j, lead in enumerate(leads):
+            msg = _layer_case(rank, R, seed + 10 * i + j, kind, kw, lead, group)
             failures += [msg] if msg else []
     return failures
 
@@ -99,6 +100,12 @@ def _layers(rank, R, seed):
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_layers_match_the_unsharded_linear(world_size):
     spawn(_layers, world_size, random.randrange(1 << 30))
+
+
+def test_layers_on_subgroups_of_four_ranks():
+    """Every layer variant, forward and backward, on subgroups whose ranks differ from the
+    global ones (``_dist.SUBGROUPS``): the shards, gathers and scatters by group rank."""
+    spawn(on_subgroups, 4, _layers, random.randrange(1 << 30))
 
 
 def test_world_size_one_computes_nn_linear():
