@@ -163,19 +163,8 @@ def matmul_all_to_all(
     ``output_split_sizes`` (as ``all_to_all_single``'s: the rows of ``x``, ordered by
     destination, sent to each rank, and the rows received from each), the blocks are uneven
     and the result is ``[sum(output_split_sizes), N]`` (MoE dispatch and combine)."""
-    return _call(
-        x,
-        w,
-        "all_to_all",
-        group,
-        "sum",
-        out,
-        backend,
-        chunks,
-        input_split_sizes,
-        output_split_sizes,
-        "matmul_all_to_all",
-    )
+    return _call(x, w, "all_to_all", group, "sum", out, backend, chunks, input_split_sizes,
+                 output_split_sizes, "matmul_all_to_all")  # fmt: skip
 
 
 # The op as a torch custom op: torch.compile(fullgraph=True) keeps it whole (Dynamo cannot
