@@ -1,7 +1,9 @@
 """Which path each op's calls took, and a one-time notice when a cause the user can change
 kept calls off the overlapped path.
 
-Every call of a public op counts once (``count``), keyed by what ran: ``"overlap via ce"``,
+Every call of a public op counts once (``count``) under the op's name (the function the user
+called; a backward's overlapped input gradient under the op that computes it), keyed by what
+ran: ``"overlap via ce"``,
 ``"overlap via torch"``, ``"replayed via ce"`` (a recorded call, ``ops/_record.py``) or
 ``"plain: <reason>"``. ``overlap.stats()`` returns the counts since the last reset.
 

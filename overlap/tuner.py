@@ -3,8 +3,10 @@
 ``overlap.tune(x, w, collective, group=...)`` is a collective call (every rank of ``group``
 makes it, with its own ``x`` and ``w`` of the same shapes). It
 
-1. looks the call up in the disk cache (rank 0 reads it and broadcasts what it found, so all
-   ranks see the same entry);
+1. looks the call up in the disk cache: rank 0 reads it, and one host collective gives every
+   rank what it found and every rank's call (shapes, dtype, collective, candidates), so all
+   ranks see the same entry, and ranks whose calls differ raise ``RankMismatchError``
+   (validation mode or not) before anything is timed;
 2. on a miss, times each candidate (chunk counts, and ``"plain"``: the matmul then one
    collective) on every rank, as the bench does: each call's GPU time with the host queued
    ahead, or its host time where that is larger (``time_queued``); takes the slowest rank's
@@ -16,7 +18,8 @@ makes it, with its own ``x`` and ``w`` of the same shapes). It
 
 Calls never tune by themselves: a cold call takes the planner's default, so nothing waits on
 tuning, and the choice is the same on every rank because it only ever comes from this
-collective call. Cache key: GPU name, world size, collective, dtype, M, N, K and the NCCL
+collective call. Cache key: GPU name, world size, collective, dtype, M, N, K, the copy
+engines' road (``comm.road``: "peer", "host", or None where they do not run) and the NCCL
 settings that change the transport (``NCCL_P2P_DISABLE``, ``NCCL_SHM_DISABLE``,
 ``NCCL_P2P_LEVEL``, ``NCCL_NET``). File: ``OVERLAP_TUNE_CACHE`` or
 ``~/.cache/overlap/tuned.json``.
@@ -35,7 +38,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from . import guard
+from . import comm, guard
 from .context import set_tuned, tuned_key
 from .ops import all_gather_matmul, matmul_collective
 from .ops._checks import capturing, check_operands
@@ -63,11 +66,12 @@ def cache_path() -> str:
 
 
 def _cache_key(
-    x: torch.Tensor, M: int, N: int, K: int, R: int, collective: str, count_host: bool
+    x: torch.Tensor, M: int, N: int, K: int, R: int, collective: str, count_host: bool, road
 ) -> str:
     gpu = torch.cuda.get_device_name(x.device) if x.is_cuda else "cpu"
     transport = ",".join(f"{v}={os.environ.get(v, '')}" for v in _TRANSPORT_VARS)
-    return f"{gpu}|R={R}|{collective}|{x.dtype}|{M}x{N}x{K}|{transport}|host={count_host}"
+    return (f"{gpu}|R={R}|{collective}|{x.dtype}|{M}x{N}x{K}|road={road}|{transport}"
+            f"|host={count_host}")  # fmt: skip
 
 
 def _read_cache(path: str) -> dict:
@@ -152,8 +156,10 @@ def tune(
         ValueError: no candidates, a candidate that is neither ``"plain"`` nor in [2, 64],
             ``iters`` < 1, or arguments ``matmul_collective`` refuses.
         RuntimeError: called while the current CUDA stream is being captured.
-        overlap.RankMismatchError, TimeoutError: (validation mode) the ranks' calls differ, or
-            a rank did not call, found before any host collective.
+        overlap.RankMismatchError: the ranks' calls differ (shapes, dtype, collective,
+            candidates, iters, ``use_cache``, ``count_host``), found at the cache lookup's host
+            collective (validation mode: before it).
+        TimeoutError: (validation mode) a rank did not call, found before any host collective.
     """
     before = check_operands(x, w, collective, "sum", "torch", group).before
     if capturing(x):
@@ -172,16 +178,22 @@ def tune(
                                f"candidates={list(candidates)} iters={iters} "
                                f"cache={use_cache} host={count_host}")  # fmt: skip
         guard.agree(group, fp, f"overlap.tune {collective} {M}x{N}x{K}")
-    key = _cache_key(x, M, N, K, R, collective, count_host)
+    road = comm.road(group, x.device, False) if x.is_cuda else None  # (asked once per group)
+    key = _cache_key(x, M, N, K, R, collective, count_host, road)
     # (the all-gather's plan does not depend on N, so neither does its tuned choice)
     rkey = tuned_key(group, M, 0 if before else N, K, x.dtype, collective)
     path = cache_path()
-    found = [None]
-    if use_cache and dist.get_rank(group) == 0:
-        found[0] = _read_cache(path).get(key)
-    src = dist.get_global_rank(group, 0) if group is not None else 0
-    dist.broadcast_object_list(found, src=src, group=group)
-    entry = found[0]
+    mine = (collective, str(x.dtype), M, 0 if before else N, K, list(candidates), iters,
+            use_cache, count_host)  # fmt: skip
+    found = _read_cache(path).get(key) if use_cache and dist.get_rank(group) == 0 else None
+    seen: list = [None] * R  # every rank's call, and what rank 0 found in the cache
+    dist.all_gather_object(seen, (mine, found), group=group)
+    if any(call != mine for call, _ in seen):
+        table = "\n".join(f"  rank {r}: {call}" for r, (call, _) in enumerate(seen))
+        raise guard.RankMismatchError(f"overlap.tune: ranks disagree (collective, dtype, M, N, "
+                                      f"K, candidates, iters, cache, host); nothing was "
+                                      f"timed.\n{table}")  # fmt: skip
+    entry = seen[0][1]
     if entry is not None and entry.get("choice") in candidates:
         result = Tuned(entry["choice"], entry.get("ms", {}), "cache")
     else:

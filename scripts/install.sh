@@ -51,7 +51,7 @@ else
     say "No torch yet, and no NVIDIA GPU seen: installing torch==$pin from the package index."
     cat <<'MSG'
    From PyPI that is the build with CUDA: several GB to download, an environment of about
-   5.4 GB. The CPU-only build makes it about 1.8 GB. For it, stop now (Ctrl-C) and run:
+   5.4 GB. The CPU-only build makes it about 2.2 GB. For it, stop now (Ctrl-C) and run:
        TORCH_INDEX=https://download.pytorch.org/whl/cpu bash scripts/install.sh
 MSG
     if [ -t 0 ]; then sleep 10; fi
@@ -59,7 +59,9 @@ MSG
     say "No torch yet: installing torch==$pin from $TORCH_INDEX"
   fi
   "$PY" -m pip install "torch==$pin" "${index[@]}"
-  torch_version=$("$PY" -c "import torch; print(torch.__version__)")
+  # (its metadata, not `import torch`: numpy comes with overlap below, and torch imported
+  # without it warns "Failed to initialize NumPy")
+  torch_version=$("$PY" -c "import importlib.metadata as m; print(m.version('torch'))")
 fi
 
 if [ "$cuda" = 1 ]; then

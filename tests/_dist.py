@@ -69,6 +69,25 @@ def spawn(fn, world_size: int, *args, backend: str = "gloo") -> None:
     assert not reports, text
 
 
+# Two groups of 2 in a world of 4 whose group ranks differ from the global ones (global 1 and 3
+# are ranks 0 and 1 of the first, global 2 is rank 1 of the second): tensor-parallel groups
+# inside TP x DP, as a real job has them.
+SUBGROUPS = ((1, 3), (0, 2))
+
+
+def on_subgroups(rank: int, world_size: int, fn, *args) -> list[str]:
+    """``fn(group_rank, group_size, *args, group=g)`` on the group of ``SUBGROUPS`` this rank
+    is in (``spawn(on_subgroups, 4, fn, ...)``); every rank makes both groups, in order. Both
+    groups run the same cases at once; the failures say which group and rank."""
+    assert world_size == 4, world_size
+    groups = [dist.new_group(list(members)) for members in SUBGROUPS]
+    i = next(i for i, members in enumerate(SUBGROUPS) if rank in members)
+    g = groups[i]
+    failures = fn(dist.get_rank(g), dist.get_world_size(g), *args, group=g)
+    dist.barrier()  # (a group's last collective is done before any rank tears down)
+    return [f"group {SUBGROUPS[i]}, global rank {rank}: {f}" for f in failures]
+
+
 def poison_with_specials(x: torch.Tensor, w_nk: torch.Tensor) -> None:
     """Put NaN, +Inf and -Inf into ``x [M, K]`` and ``w_nk [N, K]`` in place, including an
     ``Inf * 0`` product and an ``Inf - Inf`` sum (``M, N >= 20``, ``K >= 8``)."""
@@ -183,6 +202,7 @@ def check_grad_case(
     *,
     chunks: int | None = None,
     call=None,
+    group: dist.ProcessGroup | None = None,
 ) -> str | None:
     """Forward and backward of one ``overlap.matmul_collective`` call on this rank
     (``x [..., K]`` and ``w = weight.t()``, both requiring grad), against float64 autograd over
@@ -191,7 +211,8 @@ def check_grad_case(
     ``overlap.ops._backward_op``).
 
     ``case`` is ``(collective, dtype, shape, op)``, ``shape`` as in ``check_case``. ``call``
-    replaces ``overlap.matmul_collective`` (e.g. a ``torch.compile`` of it)."""
+    replaces ``overlap.matmul_collective`` (e.g. a ``torch.compile`` of it). ``rank`` and
+    ``R`` are this rank's index in ``group`` and its size."""
     collective, dtype, shape, op = case
     g, xs, ws = _draw(R, dtype, shape, seed)
     *lead, K, N = shape
@@ -218,7 +239,9 @@ def check_grad_case(
     weight = ws[rank].to(device).requires_grad_()
     name = f"backward {collective} {dtype} {shape} op={op} rank={rank}"
     try:
-        y = (call or overlap.matmul_collective)(x, weight.t(), collective, op=op, chunks=chunks)
+        kw = {} if group is None else {"group": group}
+        y = (call or overlap.matmul_collective)(x, weight.t(), collective, op=op, chunks=chunks,
+                                                **kw)  # fmt: skip
         mine = gs[0] if collective == "all_reduce" else gs[rank]
         (y.reshape(-1, N) * mine.to(device)).sum().backward()
     except Exception as e:

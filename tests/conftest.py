@@ -6,7 +6,7 @@
   (test_distributed.py);
 - GPU, marker ``gpu``, deselected by default: NCCL on CUDA devices (test_gpu.py).
 
-``pytest -m quick`` is a first check of about two minutes on 2 cores: the tests named in
+``pytest -m quick`` is a first check of under a minute on 2 cores: the tests named in
 ``QUICK`` below, one or a few of each kind (plans, errors, the kernel, each family of ops on
 gloo ranks, the example), marked here so that no test file carries the list.
 
@@ -14,6 +14,7 @@ Triton reads TRITON_INTERPRET when a kernel is defined, so it is set here, befor
 imports overlap.gemm; spawned ranks inherit it.
 """
 
+import importlib.util
 import os
 
 import pytest
@@ -41,6 +42,17 @@ QUICK = (
     "tests/test_nn.py::test_layers_match_the_unsharded_linear[2]",
     "tests/test_example.py::test_readme_example_runs",
 )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    spec = importlib.util.find_spec("overlap")
+    if spec is not None and spec.origin is None:  # a folder named overlap, no __init__.py
+        where = ", ".join(spec.submodule_search_locations)
+        raise pytest.UsageError(
+            f"`import overlap` finds the folder {where} (a clone's folder, from the folder "
+            "above it: the current directory comes first), not the package: run from inside "
+            "the clone, or through the clone's scripts/python"
+        )
 
 
 def _listed(nodeid: str, entry: str) -> bool:

@@ -1,8 +1,8 @@
-"""``overlap.all_gather_matmul`` on 2 and 3 gloo ranks: forward (result and ``x_full``) and
-backward (the overlapped ``matmul_reduce_scatter`` of the input gradient) against float64
-over every rank's inputs, outputs poisoned with NaN; ragged shapes, leading dims, fp32 and
-fp16, chunk counts; errors. The NCCL-per-chunk transport runs here (gloo on the host); the
-copy engines' protocol is ``test_transport.py``'s."""
+"""``overlap.all_gather_matmul`` on 2 and 3 gloo ranks, and on subgroups of 4: forward (result
+and ``x_full``) and backward (the overlapped ``matmul_reduce_scatter`` of the input gradient)
+against float64 over every rank's inputs, outputs poisoned with NaN; ragged shapes, leading
+dims, fp32 and fp16, chunk counts; errors. The NCCL-per-chunk transport runs here (gloo on the
+host); the copy engines' protocol is ``test_transport.py``'s."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 import torch.distributed as dist
-from _dist import TOL, mismatch, spawn
+from _dist import TOL, mismatch, on_subgroups, spawn
 
 import overlap
 
@@ -30,7 +30,7 @@ def _inputs(R, dtype, lead, K, N, seed):
     return xs, ws, gs, hs
 
 
-def _forward(rank, R, seed):
+def _forward(rank, R, seed, group=None):
     failures = []
     for i, (dtype, (lead, K, N, chunks)) in enumerate(
         (d, s) for d in (torch.float32, torch.float16) for s in SHAPES
@@ -40,23 +40,23 @@ def _forward(rank, R, seed):
         ref = X @ ws[rank].double().t()
         out = torch.full((X.shape[0], N), float("nan"), dtype=dtype)
         name = f"forward {dtype} {lead} K={K} N={N} chunks={chunks} rank {rank}"
-        p = overlap.plan(xs[rank], ws[rank].t(), "all_gather", chunks=chunks)
+        p = overlap.plan(xs[rank], ws[rank].t(), "all_gather", chunks=chunks, group=group)
         if p.path != "overlap" or p.M != X.shape[0]:
             failures.append(f"{name}: {p.describe()}")
         y, full = overlap.all_gather_matmul(xs[rank], ws[rank].t(), out=out, chunks=chunks,
-                                            return_gathered=True)  # fmt: skip
+                                            return_gathered=True, group=group)  # fmt: skip
         if y.data_ptr() != out.data_ptr():
             failures.append(f"{name}: the result is not `out`")
         for what, got, want in (("y", y, ref), ("x_full", full, X)):
             why = mismatch(got, want, TOL[dtype])
             failures += [f"{name}: {what}: {why} ({p.describe()})"] if why else []
-        y2 = overlap.all_gather_matmul(xs[rank], ws[rank].t(), chunks=chunks)  # no x_full
+        y2 = overlap.all_gather_matmul(xs[rank], ws[rank].t(), chunks=chunks, group=group)
         why = mismatch(y2, ref, TOL[dtype])
         failures += [f"{name}: without return_gathered: {why}"] if why else []
     return failures
 
 
-def _backward(rank, R, seed, use_full):
+def _backward(rank, R, seed, use_full, group=None):
     """The loss ``sum_r <y_r, g_r>`` (plus ``<x_full_r, h_r>`` with ``use_full``) against
     float64 autograd of the unsharded computation."""
     failures = []
@@ -70,7 +70,8 @@ def _backward(rank, R, seed, use_full):
             loss = loss + sum((Xf * hs[r].double()).sum() for r in range(R))
         loss.backward()
         x, w = xs[rank].clone().requires_grad_(), ws[rank].clone().requires_grad_()
-        y, full = overlap.all_gather_matmul(x, w.t(), chunks=chunks, return_gathered=True)
+        y, full = overlap.all_gather_matmul(x, w.t(), chunks=chunks, return_gathered=True,
+                                            group=group)  # fmt: skip
         mine = (y * gs[rank]).sum() + ((full * hs[rank]).sum() if use_full else 0)
         mine.backward()
         name = f"backward use_full={use_full} {lead} K={K} N={N} rank {rank}"
@@ -81,7 +82,8 @@ def _backward(rank, R, seed, use_full):
         for need in ("x", "w"):
             x2, w2 = xs[rank].clone(), ws[rank].clone()
             (x2 if need == "x" else w2).requires_grad_()
-            (overlap.all_gather_matmul(x2, w2.t(), chunks=chunks) * gs[rank]).sum().backward()
+            y2 = overlap.all_gather_matmul(x2, w2.t(), chunks=chunks, group=group)
+            (y2 * gs[rank]).sum().backward()
             got, want = (x2.grad, Xs[rank].grad) if need == "x" else (w2.grad, Ws[rank].grad)
             if use_full and need == "x":
                 continue  # the reference's dx includes x_full's term
@@ -155,6 +157,16 @@ def _lists(rank, R, seed):
 
 def test_list_of_weights_gathers_once():
     spawn(_lists, 2, random.randrange(1 << 30))
+
+
+def _both(rank, R, seed, group):
+    return _forward(rank, R, seed, group) + _backward(rank, R, seed, True, group)
+
+
+def test_subgroups_of_four_ranks():
+    """Forward and backward on subgroups whose ranks differ from the global ones (this rank's
+    own rows at its group rank's place: ``_dist.SUBGROUPS``)."""
+    spawn(on_subgroups, 4, _both, random.randrange(1 << 30))
 
 
 def _errors(rank, R):

@@ -22,7 +22,7 @@ def test_eager_autograd_takes_the_function():
     for name, eager, op in (
         ("matmul_collective", lambda a, b: overlap.matmul_collective(a, b),
          lambda a, b: torch.ops.overlap.matmul_collective(a, b, "all_reduce", "", "sum",
-                                                          "auto", None)),
+                                                          "auto", None, "matmul_collective")),
         ("all_gather_matmul", lambda a, b: overlap.all_gather_matmul(a, b),
          lambda a, b: torch.ops.overlap.all_gather_matmul(a, b, "", "auto", None, True)[0]),
     ):  # fmt: skip

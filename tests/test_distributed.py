@@ -1,5 +1,7 @@
 """2, 4 and 8 CPU ranks on gloo: the real chunk plan, Triton kernel (interpreter), counters and
-per-chunk collectives end to end, against a float64 reference. Fresh random data every run."""
+per-chunk collectives end to end, against a float64 reference; ``op="avg"`` on the overlapped
+and the plain path; every collective forward and backward on subgroups of 4 ranks whose group
+ranks differ from the global ones. Fresh random data every run."""
 
 from __future__ import annotations
 
@@ -7,7 +9,18 @@ import random
 
 import pytest
 import torch
-from _dist import check_case, count_collectives, spawn
+from _dist import (
+    TOL,
+    _draw,
+    check_case,
+    check_grad_case,
+    count_collectives,
+    mismatch,
+    on_subgroups,
+    spawn,
+)
+
+import overlap
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_to_all")
 # (lead..., K, N): ragged edges everywhere, a 3-D x, and decode-like M (column chunks).
@@ -89,3 +102,64 @@ def _divisibility(rank, R):
 
 def test_m_not_divisible_by_world_size():
     spawn(_divisibility, 2)
+
+
+def _avg(rank, R, seed):
+    """``op="avg"`` for both reductions, through ``matmul_collective`` and the op's own name:
+    the overlapped path, and the plain path for each of its causes here (a product too small
+    to split, bf16 in the interpreter, ``overlap.tune``'s choice); backward on the plain path
+    (the overlapped one: test_autograd.py)."""
+    from overlap.context import set_tuned, tuned_key
+
+    failures = []
+    shape = (64, 40, 48)
+    for i, coll in enumerate(("all_reduce", "reduce_scatter")):
+        for j, (dtype, shp, chunks, expect) in enumerate((
+            (torch.float32, shape, 2, "overlap"), (torch.float32, (8, 16, 24), None, "fallback"),
+            (torch.bfloat16, shape, 2, "fallback"),
+        )):  # fmt: skip
+            msg = check_case(rank, R, "cpu", coll, dtype, shp, seed + 10 * i + j, op="avg",
+                             chunks=chunks, expect=expect)  # fmt: skip
+            failures += [msg] if msg else []
+        key = tuned_key(None, shape[0], shape[2], shape[1], torch.float32, coll)
+        set_tuned(key, "plain")  # (as overlap.tune records it)
+        try:
+            msg = check_case(rank, R, "cpu", coll, torch.float32, shape, seed + 10 * i + 5,
+                             op="avg", expect="fallback")  # fmt: skip
+        finally:
+            set_tuned(key, None)
+        failures += [msg] if msg else []
+        for j, dtype in enumerate((torch.float32, torch.bfloat16)):  # the op's own name
+            _, xs, ws = _draw(R, dtype, shape, seed + 10 * i + 6 + j)
+            ref = sum(x.double() @ w.double().t() for x, w in zip(xs, ws, strict=True)) / R
+            if coll == "reduce_scatter":
+                ref = ref[rank * shape[0] // R : (rank + 1) * shape[0] // R]
+            fn = overlap.matmul_allreduce if coll == "all_reduce" else overlap.matmul_reduce_scatter
+            why = mismatch(fn(xs[rank], ws[rank].t(), op="avg", chunks=2), ref, TOL[dtype])
+            failures += [f"{fn.__name__} {dtype} op=avg rank {rank}: {why}"] if why else []
+        msg = check_grad_case(rank, R, "cpu", (coll, torch.bfloat16, shape, "avg"), seed + i,
+                              chunks=2)  # (bf16 in the interpreter: the plain path)  # fmt: skip
+        failures += [msg] if msg else []
+    return failures
+
+
+def test_avg_on_the_overlapped_and_the_plain_path():
+    spawn(_avg, 2, random.randrange(1 << 30))
+
+
+def _subgroup(rank, R, seed, group):
+    """Every collective on ``group`` (a subgroup whose ranks differ from the global ones):
+    forward into a NaN-poisoned ``out``, then forward and backward."""
+    failures = []
+    for i, coll in enumerate(COLLECTIVES):
+        msg = check_case(rank, R, "cpu", coll, torch.float32, (48, 40, 36), seed + i, chunks=3,
+                         group=group)  # fmt: skip
+        failures += [msg] if msg else []
+        case = (coll, torch.float32, (2, 24, 40, 36), "sum")
+        msg = check_grad_case(rank, R, "cpu", case, seed + 10 + i, chunks=2, group=group)
+        failures += [msg] if msg else []
+    return failures
+
+
+def test_subgroups_of_four_ranks():
+    spawn(on_subgroups, 4, _subgroup, random.randrange(1 << 30))

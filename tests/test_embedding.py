@@ -1,7 +1,7 @@
 """``overlap.embedding_bag_all_to_all`` on 2 and 3 gloo ranks: tables of different widths per
 rank (a rank with two tables, one with one), bags of different sizes including empty ones,
 every mode; forward and the tables' gradients against float64 ``embedding_bag`` over every
-rank's tables; errors."""
+rank's tables; errors; ranks that disagree; the same on subgroups of 4 ranks."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _dist import TOL, mismatch, spawn
+from _dist import TOL, mismatch, on_subgroups, spawn
 
 import overlap
 
@@ -35,7 +35,7 @@ def _draw(R, B, seed, dtype):
     return ranks
 
 
-def _cases(rank, R, seed):
+def _cases(rank, R, seed, group=None):
     failures = []
     B = 6 * R
     for i, (dtype, mode, chunks, dims) in enumerate((
@@ -54,7 +54,7 @@ def _cases(rank, R, seed):
         gs = [torch.randn(w.shape, generator=gen) for w in want]
         sum((w * g.double()).sum() for w, g in zip(want, gs, strict=True)).backward()
         tabs = [t.clone().requires_grad_() for t, _, _ in ranks[rank]]
-        kw = dict(mode=mode, chunks=chunks)
+        kw = dict(mode=mode, chunks=chunks, group=group)
         if dims:
             kw["rank_dims"] = [sum(t.shape[1] for t, _, _ in r_) for r_ in ranks]
         got = overlap.embedding_bag_all_to_all(tabs, [ix for _, ix, _ in ranks[rank]],
@@ -76,10 +76,24 @@ def _cases(rank, R, seed):
         (([t], [ix], [torch.tensor(list(range(R)))]), dict(rank_dims=[4] * R), "rank_dims"),
     ):
         try:
-            overlap.embedding_bag_all_to_all(*args, **kw)
+            overlap.embedding_bag_all_to_all(*args, **kw, group=group)
             failures.append(f"{text}: no error")
         except (ValueError, TypeError) as e:
             failures += [] if text in str(e) else [f"{text}: unclear error {e}"]
+    # ranks that disagree on the batch or the mode, validation off: the widths' host
+    # collective (rank_dims=None) carries them, and every rank raises before the exchange
+    bags = torch.arange(4 * R)
+    for what, B, mode in (("batch", 2 * R if rank else 4 * R, "sum"),
+                          ("mode", 4 * R, "max" if rank else "sum")):  # fmt: skip
+        try:
+            overlap.embedding_bag_all_to_all([t], [bags[:B] % 5], [bags[:B]], mode=mode,
+                                             group=group)  # fmt: skip
+            failures.append(f"ranks disagree on the {what}: no error")
+        except overlap.RankMismatchError as e:
+            if "rank 0: bags=" not in str(e) or f"rank {R - 1}: bags=" not in str(e):
+                failures.append(f"{what}: the error lacks the ranks' values: {e}")
+    got = overlap.embedding_bag_all_to_all([t], [bags % 5], [bags], group=group)  # it goes on
+    failures += [] if got.shape == (4, 3 * R) else [f"after the mismatches: {tuple(got.shape)}"]
     dist.barrier()
     return failures
 
@@ -87,6 +101,12 @@ def _cases(rank, R, seed):
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_embedding_bag_all_to_all(world_size):
     spawn(_cases, world_size, random.randrange(1 << 30))
+
+
+def test_subgroups_of_four_ranks():
+    """Forward, gradients, errors and ranks that disagree on subgroups whose ranks differ
+    from the global ones (``_dist.SUBGROUPS``)."""
+    spawn(on_subgroups, 4, _cases, random.randrange(1 << 30))
 
 
 def test_world_size_one():

@@ -100,6 +100,50 @@ def test_world_size_one_is_the_plain_matmul(collective):
     torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
 
 
+def test_a_launcher_without_a_process_group_raises(monkeypatch):
+    """Under torchrun (``WORLD_SIZE`` > 1) without ``init_process_group``, every op, layer,
+    ``parallelize`` and ``plan`` raises naming it (world size 1 would return each rank's own
+    un-summed product); ``WORLD_SIZE=1`` is world size 1."""
+    from torch import nn
+
+    x, w = _xw()
+    w3, ids, splits = torch.randn(2, 16, 12), torch.zeros(8, dtype=torch.long), [8]
+    uneven = dict(input_split_sizes=splits, output_split_sizes=splits)
+    table, bags = torch.randn(5, 3), torch.tensor([0, 1])
+    calls = [
+        lambda: overlap.matmul_collective(x, w),
+        lambda: overlap.matmul_allreduce(x, w),
+        lambda: overlap.matmul_reduce_scatter(x.clone().requires_grad_(), w),
+        lambda: overlap.matmul_all_to_all(x, w),
+        lambda: overlap.matmul_all_to_all(x, w, **uneven),
+        lambda: overlap.all_gather_matmul(x, w),
+        lambda: overlap.grouped_matmul_all_to_all(x, w3, ids, **uneven),
+        lambda: overlap.all_to_all_grouped_matmul(x, w3, ids, **uneven),
+        lambda: overlap.embedding_bag_all_to_all([table], [bags], [bags]),
+        lambda: overlap.plan(x, w),
+        lambda: overlap.nn.ColumnParallelLinear(16, 12),
+        lambda: overlap.nn.RowParallelLinear.from_linear(nn.Linear(16, 12)),
+    ]
+    try:
+        import transformers
+
+        config = transformers.LlamaConfig(hidden_size=16, num_attention_heads=2,
+                                          num_key_value_heads=2, intermediate_size=32,
+                                          num_hidden_layers=1, vocab_size=32)  # fmt: skip
+        model = transformers.LlamaForCausalLM(config)
+        calls.append(lambda: overlap.nn.parallelize(model))
+    except ImportError:
+        pass
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for i, call in enumerate(calls):
+        with pytest.raises(RuntimeError, match="init_process_group"):
+            call()
+            pytest.fail(f"call {i} did not raise")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    for call in calls:
+        call()
+
+
 def test_bad_group():
     x, w = _xw()
     for call in (overlap.matmul_collective, overlap.plan):

@@ -903,7 +903,7 @@ def _recorded_inputs(rank, R, seed, device="cuda"):
     def all_reduce_ref(xs, ws):
         return (sum(x.double() @ w.double() for x, w in zip(xs, ws, strict=True)),)
 
-    steps("all_reduce", M, all_reduce, all_reduce_ref)
+    steps("matmul_collective", M, all_reduce, all_reduce_ref)
     m = M // R  # the all-gather's shard rows
     gathered = torch.empty(M, N, device=dev)
 
@@ -951,14 +951,15 @@ def _moving(rank, R, seed, device="cuda"):
             if op == "reduce_scatter":
                 ref = ref[rank * M // R : (rank + 1) * M // R]
             out = torch.full(ref.shape, float("nan"), dtype=dtype, device=dev)
-            before = overlap.stats().get(op, {}).get("replayed via ce", 0)
+            before = overlap.stats().get("matmul_collective", {}).get("replayed via ce", 0)
             overlap.matmul_collective(x, w, op, out=out, backend="ce" if cuda else "torch",
                                       chunks=4)  # fmt: skip
             kept += [x, out]
             why = mismatch(out, ref.to(dev), TOL[dtype])
             what = f"{op} {dtype} call {i // 2} at new addresses"
             failures.extend([f"{what}: {why}"] if why else [])
-            replayed = overlap.stats().get(op, {}).get("replayed via ce", 0) > before
+            replayed = overlap.stats().get("matmul_collective", {}).get("replayed via ce", 0)
+            replayed = replayed > before
             if cuda and i >= 6 and not replayed:
                 failures.append(f"{what}: not replayed (its graph was not rebound)")
     if cuda:  # a bad out for a call that replays (its record's key holds no address or device)

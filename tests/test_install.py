@@ -51,6 +51,28 @@ def test_scripts_python_picks_the_installed_python(tmp_path, env, venv, picked):
     assert done.stdout == f"{picked} -m pytest a b\n"
 
 
+def test_scripts_python_imports_its_checkout_from_the_folder_above(tmp_path):
+    """From the folder above a clone named ``overlap``, ``python -c``/``-m`` find the clone
+    folder itself first (cwd is on the path: an empty namespace package); ``scripts/python``
+    puts its checkout first, so the package inside the clone is imported."""
+    clone = tmp_path / "overlap"
+    shutil.copytree(
+        ROOT / "overlap", clone / "overlap", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    (clone / "scripts").mkdir()
+    shutil.copy(ROOT / "scripts" / "python", clone / "scripts")
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("VIRTUAL_ENV", "CONDA_PREFIX", "PYTHONPATH")
+    }
+    env["PYTHON"] = sys.executable
+    show = "import overlap; print(overlap.__file__)"
+    done = subprocess.run([str(clone / "scripts" / "python"), "-c", show], capture_output=True,
+                          text=True, env=env, cwd=tmp_path, check=True)  # fmt: skip
+    assert done.stdout.strip() == str(clone / "overlap" / "__init__.py"), done.stdout
+
+
 def test_the_wheel_ships_the_type_marker_and_the_license(tmp_path):
     src = tmp_path / "src"  # a copy: the build writes build/ and *.egg-info next to the sources
     shutil.copytree(ROOT / "overlap", src / "overlap", ignore=shutil.ignore_patterns("__pycache__"))

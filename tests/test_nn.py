@@ -1,9 +1,9 @@
-"""``overlap.nn`` on 2 and 4 gloo ranks (the kernels in Triton's interpreter): every layer
-variant's output and gradients (input, weight, bias) against float64 autograd of the unsharded
-``nn.Linear`` it was cut from; column layers sharing their input (``share_input``): the same
-results with one collective each way, their weights one tensor, and calls that do not share
-an input still exact; world size 1 computes ``nn.Linear``; bad sizes, a non-Linear to
-``from_linear`` and a layer made before the process group raise."""
+"""``overlap.nn`` on 2 and 4 gloo ranks and on subgroups of 4 (the kernels in Triton's
+interpreter): every layer variant's output and gradients (input, weight, bias) against float64
+autograd of the unsharded ``nn.Linear`` it was cut from; column layers sharing their input
+(``share_input``): the same results with one collective each way, their weights one tensor,
+and calls that do not share an input still exact; world size 1 computes ``nn.Linear``; bad
+sizes, a non-Linear to ``from_linear`` and a layer made before the process group raise."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import time
 
 import pytest
 import torch
-from _dist import mismatch, spawn
+from _dist import mismatch, on_subgroups, spawn
 from torch import nn
 
 import overlap
@@ -22,7 +22,7 @@ from overlap.nn import ColumnParallelLinear, RowParallelLinear, share_input
 TOL = 1e-5
 
 
-def _layer_case(rank, R, seed, kind, kw, lead):
+def _layer_case(rank, R, seed, kind, kw, lead, group=None):
     """One layer of ``kind`` ("column" or "row") with options ``kw`` on ``x [*lead, in]``
     (sequence parallel: this rank's ``lead[0] / R`` rows of it); a failure message or None."""
     g = torch.Generator().manual_seed(seed)
@@ -45,7 +45,7 @@ def _layer_case(rank, R, seed, kind, kw, lead):
     T = lead[0] // R
     mine = slice(rank * T, (rank + 1) * T)  # this rank's tokens (sequence parallel)
     if kind == "column":
-        layer = ColumnParallelLinear.from_linear(full, **kw)
+        layer = ColumnParallelLinear.from_linear(full, group=group, **kw)
         n = fout // R
         cols = slice(rank * n, (rank + 1) * n)
         x = (x_full[mine] if sp else x_full).clone().requires_grad_()
@@ -55,7 +55,7 @@ def _layer_case(rank, R, seed, kind, kw, lead):
         w_ref, b_ref = ref.weight.grad[cols], ref.bias.grad[cols]
         dx_ref = xr.grad[mine] if sp else xr.grad
     else:
-        layer = RowParallelLinear.from_linear(full, **kw)
+        layer = RowParallelLinear.from_linear(full, group=group, **kw)
         n = fin // R
         cols = slice(rank * n, (rank + 1) * n)
         parallel = kw.get("input_is_parallel", True)
@@ -91,11 +91,12 @@ CASES = [
 ]
 
 
-def _layers(rank, R, seed):
+def _layers(rank, R, seed, group=None):
     failures = []
+    leads = ((8 * R, 6), (16 * R,)) if group is None else ((8 * R, 6),)  # [s, b] tokens, 2-D
     for i, (kind, kw) in enumerate(CASES):
-        for j, lead in enumerate(((8 * R, 6), (16 * R,))):  # [s, b] tokens, and 2-D
-            msg = _layer_case(rank, R, seed + 10 * i + j, kind, kw, lead)
+        for j, lead in enumerate(leads):
+            msg = _layer_case(rank, R, seed + 10 * i + j, kind, kw, lead, group)
             failures += [msg] if msg else []
     return failures
 
@@ -195,6 +196,12 @@ def _siblings(rank, R, seed):
 
 def test_share_input(world_size=2):
     spawn(_siblings, world_size, random.randrange(1 << 30))
+
+
+def test_layers_on_subgroups_of_four_ranks():
+    """Every layer variant, forward and backward, on subgroups whose ranks differ from the
+    global ones (``_dist.SUBGROUPS``): the shards, gathers and scatters by group rank."""
+    spawn(on_subgroups, 4, _layers, random.randrange(1 << 30))
 
 
 def test_world_size_one_computes_nn_linear():

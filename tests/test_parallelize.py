@@ -3,9 +3,9 @@ Llama (with biases), Qwen3 (q/k norms: ``replicated_with_grad_allreduce``), Gemm
 embeddings) and Phi3 (fused projections: ``colwise_gather_output``, ``rowwise_split_input``)
 built from their configs with fresh random fp32 weights, with and without sequence
 parallelism, against the unsharded model in float64 on the same data: logits, and the
-gradient of every parameter (a shard's against its rows or columns of the whole model's). Bad
-configs and plans raise before the model changes; world size 1 is a no-op. Skipped without
-``transformers``."""
+gradient of every parameter (a shard's against its rows or columns of the whole model's);
+Llama with sequence parallelism on subgroups of 4 ranks too. Bad configs and plans raise
+before the model changes; world size 1 is a no-op. Skipped without ``transformers``."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import random
 
 import pytest
 import torch
-from _dist import mismatch, spawn
+from _dist import mismatch, on_subgroups, spawn
 from torch import nn
 
 import overlap
@@ -62,9 +62,9 @@ def _shard_of(model: nn.Module, name: str, whole: torch.Tensor, rank: int, R: in
     return whole.narrow(dim, rank * n, n)
 
 
-def _family_case(rank: int, R: int, family: str, sp: bool, seed: int) -> list[str]:
+def _family_case(rank: int, R: int, family: str, sp: bool, seed: int, group=None) -> list[str]:
     ref = _tiny(family, seed)
-    model = parallelize(copy.deepcopy(ref), sequence_parallel=sp)
+    model = parallelize(copy.deepcopy(ref), group=group, sequence_parallel=sp)
     ref.double()
     name = f"{family} sequence_parallel={sp} rank={rank}"
     layers = ref.config.num_hidden_layers
@@ -117,6 +117,17 @@ def _families(rank: int, R: int, seed: int) -> list[str]:
 
 def test_parallelize_matches_the_unsharded_model():
     spawn(_families, 2, random.randrange(1 << 30))
+
+
+def _on_subgroup(rank: int, R: int, seed: int, group) -> list[str]:
+    return _family_case(rank, R, "llama", True, seed, group)
+
+
+def test_parallelize_on_subgroups_of_four_ranks():
+    """``parallelize(group=...)`` (Llama with sequence parallelism: every layer kind and the
+    hooks that split and gather by rank) on subgroups whose ranks differ from the global ones
+    (``_dist.SUBGROUPS``)."""
+    spawn(on_subgroups, 4, _on_subgroup, random.randrange(1 << 30))
 
 
 def _expect(failures: list, exc: type, match: str, fn) -> None:

@@ -153,7 +153,9 @@ def test_uneven_exchange_events(direction, ahead, slow, monkeypatch):
 
     def issue(r, x, w, out):
         if direction == "combine":
-            return exchange.split_forward(x, w, None, out, "auto", chunks, sends[r], receives[r])
+            return exchange.split_forward(
+                x, w, None, out, "auto", chunks, sends[r], receives[r], None, "matmul_all_to_all"
+            )
         return exchange.dispatch_forward(x, w, None, out, "auto", chunks, sends[r], receives[r],
                                          None, False)[0]  # fmt: skip
 

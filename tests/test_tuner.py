@@ -1,5 +1,7 @@
-"""overlap.tune on 2 gloo ranks (interpreter): one choice on every rank, used by later calls,
-cached on disk, a corrupt cache ignored. The timings themselves mean nothing on CPU."""
+"""overlap.tune on 2 and 3 gloo ranks (interpreter): one choice on every rank, used by later
+calls, cached on disk, a corrupt cache ignored; the slowest rank's time decides (ranks timed
+differently agree); ranks whose calls differ raise; the cache key holds the world size and the
+copy engines' road. The timings themselves mean nothing on CPU."""
 
 from __future__ import annotations
 
@@ -110,3 +112,71 @@ def test_tune_refuses_graph_capture(monkeypatch):
     monkeypatch.setattr(tuner, "capturing", lambda t: True)
     with pytest.raises(RuntimeError, match="CUDA-graph capture"):
         overlap.tune(torch.randn(8, 4), torch.randn(4, 8), candidates=(2,))
+
+
+def _timed_apart(rank, R, cache):
+    """Each rank times the candidates differently (``time_queued`` replaced): alone, rank 0
+    would take 2 chunks and rank 1 3; the slowest rank's medians make it 4 on both. Then
+    ranks whose calls differ raise; then one call writes the cache for ``R`` ranks."""
+    import overlap.tuner as tuner
+
+    os.environ["OVERLAP_TUNE_CACHE"] = cache
+    x, w = torch.randn(96, 40), torch.randn(40, 64)
+    times = iter(
+        [(1.0, 0.5), (5.0, 0.5), (3.0, 0.5)] if rank == 0 else [(0.5, 6.0), (0.5, 1.0), (0.5, 3.5)]
+    )  # (gpu, host): count_host takes the max
+    tuner.time_queued = lambda fn, device, group: next(times)
+    failures = []
+    t = overlap.tune(x, w, "all_reduce", candidates=(2, 3, 4), iters=1, use_cache=False)
+    if t.choice != 4 or t.ms != {"2": 6.0, "3": 5.0, "4": 3.5}:
+        failures.append(f"rank {rank}: {t}, expected 4 from the slowest rank's times")
+    if overlap.plan(x, w, "all_reduce").n_chunks != make_plan(
+        96, 64, 40, world_size=R, collective="all_reduce", dtype_bits=32, interpreter=True,
+        chunks=4,
+    ).n_chunks:  # fmt: skip
+        failures.append(f"rank {rank}: later calls do not use the choice: "
+                        f"{overlap.plan(x, w, 'all_reduce').describe()}")  # fmt: skip
+    for what, kw in (("M", {"x": x[: 48 * (2 - rank)]}), ("iters", {"iters": 1 + rank})):
+        args = {"x": x, "w": w, "candidates": (2, 3), "iters": 1, **kw}
+        try:
+            overlap.tune(args.pop("x"), args.pop("w"), "reduce_scatter", **args)
+            failures.append(f"ranks disagree on {what}: no error")
+        except overlap.RankMismatchError as e:
+            if "rank 0:" not in str(e) or "rank 1:" not in str(e):
+                failures.append(f"{what}: the error lacks the ranks' calls: {e}")
+    tuner.time_queued = lambda fn, device, group: (1.0, 1.0)
+    overlap.tune(x, w, "all_to_all", candidates=(2,), iters=1)  # (cached for R ranks)
+    return failures
+
+
+def _other_world(rank, R, cache):
+    """The same call as ``_timed_apart``'s last, on ``R`` ranks: not the cache's entry for 2
+    ranks; the second time from the cache (or the check above is void)."""
+    os.environ["OVERLAP_TUNE_CACHE"] = cache
+    x, w = torch.randn(96, 40), torch.randn(40, 64)
+    sources = [overlap.tune(x, w, "all_to_all", candidates=(2,), iters=1).source
+               for _ in range(2)]  # fmt: skip
+    return [] if sources == ["measured", "cache"] else [f"rank {rank}: sources {sources}"]
+
+
+def test_ranks_timed_apart_agree_and_the_cache_keys_the_world_size():
+    with tempfile.TemporaryDirectory() as d:
+        cache = os.path.join(d, "tuned.json")
+        spawn(_timed_apart, 2, cache)
+        spawn(_other_world, 3, cache)
+
+
+def test_the_cache_key_holds_what_changes_the_timing(monkeypatch):
+    """One field changed at a time (world size, collective, dtype, shape, the copy engines'
+    road, an NCCL setting, host time counted): a key of its own."""
+    from overlap.tuner import _cache_key
+
+    x = torch.randn(8, 4)
+    base = (x, 8, 16, 4, 2, "all_reduce", True, "peer")
+    keys = {_cache_key(*base)}
+    for i, other in ((4, 4), (5, "reduce_scatter"), (0, x.half()), (1, 16), (6, False),
+                     (7, "host"), (7, None)):  # fmt: skip
+        keys.add(_cache_key(*base[:i], other, *base[i + 1 :]))
+    monkeypatch.setenv("NCCL_P2P_DISABLE", "0" if os.environ.get("NCCL_P2P_DISABLE") else "1")
+    keys.add(_cache_key(*base))
+    assert len(keys) == 9, keys

@@ -2,7 +2,7 @@
 ranks: skewed routing (a rank sending 4x another's rows, a rank receiving none, a rank with
 no rows), ragged dims, fp32 and fp16, forward and backward against float64 over every rank's
 inputs, outputs poisoned with NaN; validation mode catching splits that do not match; errors;
-``torch.compile(fullgraph=True)``."""
+``torch.compile(fullgraph=True)``; the three ops on subgroups of 4 ranks."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 import torch.distributed as dist
-from _dist import TOL, mismatch, spawn
+from _dist import TOL, mismatch, on_subgroups, spawn
 
 import overlap
 
@@ -27,7 +27,7 @@ def _routing(R: int, g: torch.Generator) -> list[list[int]]:
     return S
 
 
-def _case(rank, R, seed, dtype, K, N, chunks, grad):
+def _case(rank, R, seed, dtype, K, N, chunks, grad, group=None):
     g = torch.Generator().manual_seed(seed)
     S = _routing(R, g)
     xs = [torch.randn(sum(S[a]), K, generator=g).to(dtype) for a in range(R)]
@@ -46,13 +46,14 @@ def _case(rank, R, seed, dtype, K, N, chunks, grad):
         x.requires_grad_(), w.requires_grad_()
         sum((Y[b] * gs[b].double()).sum() for b in range(R)).backward()
         y = overlap.matmul_all_to_all(x, w.t(), input_split_sizes=sends,
-                                      output_split_sizes=receives, chunks=chunks)  # fmt: skip
+                                      output_split_sizes=receives, chunks=chunks,
+                                      group=group)  # fmt: skip
         (y * gs[rank]).sum().backward()
         checks = (("y", y.detach(), Y[rank]), ("dx", x.grad, X[rank].grad),
                   ("dw", w.grad, W[rank].grad))  # fmt: skip
     else:
         out = torch.full((sum(receives), N), float("nan"), dtype=dtype)
-        kw = dict(input_split_sizes=sends, output_split_sizes=receives, chunks=chunks)
+        kw = dict(input_split_sizes=sends, output_split_sizes=receives, chunks=chunks, group=group)
         y = overlap.matmul_all_to_all(x, w.t(), out=out, **kw)
         if y.data_ptr() != out.data_ptr() and out.numel():
             failures.append(f"{name}: the result is not `out`")
@@ -66,13 +67,13 @@ def _case(rank, R, seed, dtype, K, N, chunks, grad):
     return failures
 
 
-def _forward_and_backward(rank, R, seed):
+def _forward_and_backward(rank, R, seed, group=None):
     failures = []
     for i, (dtype, K, N, chunks, grad) in enumerate((
         (torch.float32, 24, 40, None, False), (torch.float16, 17, 33, 3, False),
         (torch.float32, 8, 5, 2, False), (torch.float32, 24, 40, 3, True),
     )):  # fmt: skip
-        failures += _case(rank, R, seed + i, dtype, K, N, chunks, grad)
+        failures += _case(rank, R, seed + i, dtype, K, N, chunks, grad, group)
     return failures
 
 
@@ -167,7 +168,7 @@ def test_compile_fullgraph():
     spawn(_compiled, 2, random.randrange(1 << 30))
 
 
-def _grouped(rank, R, seed):
+def _grouped(rank, R, seed, group=None):
     """``grouped_matmul_all_to_all`` (the MoE combine): every row through its expert (3
     experts per rank, one never used, ids sorted within blocks or not), then the uneven
     exchange; forward and backward against float64."""
@@ -197,7 +198,7 @@ def _grouped(rank, R, seed):
         sends, receives = S[rank], [S[a][rank] for a in range(R)]
         y = overlap.grouped_matmul_all_to_all(
             x, w.transpose(1, 2), ids[rank], input_split_sizes=sends,
-            output_split_sizes=receives, chunks=chunks,
+            output_split_sizes=receives, chunks=chunks, group=group,
         )  # fmt: skip
         (y * gs[rank]).sum().backward()
         name = f"grouped {dtype} sorted={sort} splits={sends}>{receives} rank {rank}"
@@ -215,7 +216,7 @@ def _grouped(rank, R, seed):
         with torch.no_grad():
             overlap.grouped_matmul_all_to_all(
                 xs[rank], ws[rank].transpose(1, 2), ids[rank], input_split_sizes=sends,
-                output_split_sizes=receives, chunks=chunks, out=out,
+                output_split_sizes=receives, chunks=chunks, out=out, group=group,
             )  # fmt: skip
         why = mismatch(out, Y[rank].detach(), TOL[dtype]) if out.numel() else None
         failures += [f"{name}: out=: {why}"] if why else []
@@ -229,7 +230,7 @@ def _grouped(rank, R, seed):
         try:
             splits = [4] + [0] * (R - 1)  # (every case raises before communicating)
             overlap.grouped_matmul_all_to_all(*args, input_split_sizes=splits,
-                                              output_split_sizes=splits)  # fmt: skip
+                                              output_split_sizes=splits, group=group)  # fmt: skip
             failures.append(f"{text}: no error")
         except ValueError as e:
             failures += [] if text in str(e) else [f"{text}: unclear error {e}"]
@@ -242,7 +243,7 @@ def test_grouped_combine(world_size):
     spawn(_grouped, world_size, random.randrange(1 << 30))
 
 
-def _dispatch(rank, R, seed):
+def _dispatch(rank, R, seed, group=None):
     """``all_to_all_grouped_matmul`` (the MoE dispatch): the uneven exchange of the tokens,
     then every received row through its local expert; forward (NaN-poisoned ``out``) and
     backward against float64, compiled once with autograd."""
@@ -269,7 +270,8 @@ def _dispatch(rank, R, seed):
              if len(ids[b]) else recv[b].new_zeros(0, N) for b in range(R)]  # fmt: skip
         sum((Y[b] * gs[b].double()).sum() for b in range(R)).backward()
         sends, receives = S[rank], [S[a][rank] for a in range(R)]
-        kw = dict(input_split_sizes=sends, output_split_sizes=receives, chunks=chunks)
+        kw = dict(input_split_sizes=sends, output_split_sizes=receives, chunks=chunks,
+                  group=group)  # fmt: skip
         fn = overlap.all_to_all_grouped_matmul
         if compiled:
             fn = torch.compile(fn, fullgraph=True, backend="aot_eager")
@@ -295,7 +297,7 @@ def _dispatch(rank, R, seed):
     try:  # ids are per received row here
         splits = [4] + [0] * (R - 1)
         three = torch.zeros(3, dtype=torch.long)
-        kw = dict(input_split_sizes=splits, output_split_sizes=splits)
+        kw = dict(input_split_sizes=splits, output_split_sizes=splits, group=group)
         overlap.all_to_all_grouped_matmul(torch.randn(4, 8), torch.randn(2, 8, 5), three, **kw)
         failures.append("3 ids for 4 received rows: no error")
     except ValueError as e:
@@ -307,3 +309,15 @@ def _dispatch(rank, R, seed):
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_dispatch(world_size):
     spawn(_dispatch, world_size, random.randrange(1 << 30))
+
+
+def _exchanges(rank, R, seed, group):
+    return (_forward_and_backward(rank, R, seed, group) + _grouped(rank, R, seed + 10, group)
+            + _dispatch(rank, R, seed + 20, group))  # fmt: skip
+
+
+def test_subgroups_of_four_ranks():
+    """The uneven all-to-all, the MoE combine and dispatch, forward and backward (the dispatch
+    compiled once too) on subgroups whose ranks differ from the global ones
+    (``_dist.SUBGROUPS``)."""
+    spawn(on_subgroups, 4, _exchanges, random.randrange(1 << 30))

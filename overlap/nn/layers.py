@@ -41,7 +41,8 @@ The weight gradients reuse the gathered tensors (the all-gather's ``x_full``, th
 size 1 (or without an initialized process group) both layers compute ``nn.Linear``'s result
 from the whole ``weight [out, in]`` and ``bias [out]``, but are not ``nn.Linear`` instances; a
 layer made before ``init_process_group`` raises ``RuntimeError`` when called once the default
-group has more ranks. ``torch.compile(fullgraph=True)`` keeps the library's
+group has more ranks (under a launcher that set ``WORLD_SIZE`` > 1, when made).
+``torch.compile(fullgraph=True)`` keeps the library's
 ops whole (they are custom ops).
 """
 
@@ -54,14 +55,16 @@ import torch.distributed as dist
 from torch import nn
 
 from ..context import check_group
-from ..ops import all_gather_matmul, matmul_collective
+from ..ops import all_gather_matmul, matmul_allreduce, matmul_reduce_scatter
+from ..ops._checks import world
 from ..ops.gather import side_by_side
 
 
 def _rank_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
-    if group is None and not (dist.is_available() and dist.is_initialized()):
-        return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
+    """This rank's index in ``group`` and its size; ``(0, 1)`` without a process group (and
+    ``RuntimeError`` there under a launcher that set ``WORLD_SIZE`` > 1: ``ops.world``)."""
+    R = world(group)
+    return (dist.get_rank(group), R) if dist.is_available() and dist.is_initialized() else (0, 1)
 
 
 def _split(n: int, R: int, what: str) -> int:
@@ -93,7 +96,7 @@ class _Column(torch.autograd.Function):
         x, w = ctx.saved_tensors
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            dx = matmul_collective(g, w, "all_reduce", group=ctx.group)
+            dx = matmul_allreduce(g, w, group=ctx.group)
         if ctx.needs_input_grad[1]:
             dw = g.reshape(-1, g.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
         return dx, dw, None
@@ -289,10 +292,10 @@ class RowParallelLinear(_Sharded):
             return self._whole(x)
         if not self.input_is_parallel:
             x = _Scatter.apply(x, self.group, self.world_size, self.rank, -1)
-        coll = "reduce_scatter" if self.sequence_parallel else "all_reduce"
         if self.sequence_parallel:
             _split(x.shape[0], self.world_size, "the input's dim 0 (sequence parallel)")
-        y = matmul_collective(x, self.weight.t(), coll, group=self.group)
+        matmul = matmul_reduce_scatter if self.sequence_parallel else matmul_allreduce
+        y = matmul(x, self.weight.t(), group=self.group)
         if self.sequence_parallel:  # [T / R, N] -> this rank's rows of the leading dims
             y = y.reshape(x.shape[0] // self.world_size, *x.shape[1:-1], y.shape[-1])
         if self.bias is None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import torch
 import torch.distributed as dist
@@ -19,8 +20,20 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def world(group: dist.ProcessGroup | None) -> int:
-    """The group's world size (1 where ``torch.distributed`` is not initialized)."""
+    """The group's world size (1 where ``torch.distributed`` is not initialized).
+
+    Raises:
+        RuntimeError: ``torch.distributed`` is not initialized, but a launcher (torchrun)
+            set ``WORLD_SIZE`` > 1: each rank would compute its own un-summed product.
+    """
     if group is None and not (dist.is_available() and dist.is_initialized()):
+        launched = os.environ.get("WORLD_SIZE", "1")
+        if launched.isdigit() and int(launched) > 1:
+            raise RuntimeError(
+                f"WORLD_SIZE={launched} is set (a launcher such as torchrun) but no process "
+                "group is initialized: call torch.distributed.init_process_group() first; "
+                "without it every rank would compute alone (world size 1)"
+            )
         return 1
     return dist.get_world_size(group)
 

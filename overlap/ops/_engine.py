@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.metadata
 import math
 import os
 from typing import NamedTuple
@@ -118,7 +119,7 @@ def _decide(x, w, name, group, chunks, backend, capturing: bool):
         if os.environ.get("TRITON_INTERPRET", "0") != "1":
             why = "CPU tensors and TRITON_INTERPRET is not 1"
         elif x.dtype == torch.bfloat16:
-            why = "the Triton interpreter computes bfloat16 products wrongly (triton 3.6)"
+            why = f"the Triton interpreter computes bfloat16 products wrongly ({_triton()})"
     if why is None and chunks is None:
         choice = tuned(tuned_key(group, M, N, K, x.dtype, name))  # set by overlap.tune only
         if choice == "plain":
@@ -144,6 +145,15 @@ def _decide(x, w, name, group, chunks, backend, capturing: bool):
         link=road or "network",
     )  # fmt: skip
     return p, ctx, cls if p.path == "overlap" else None  # (a small product: the plain path)
+
+
+@functools.cache
+def _triton() -> str:
+    """The installed Triton's name and version, read without importing it."""
+    try:
+        return f"triton {importlib.metadata.version('triton')}"
+    except importlib.metadata.PackageNotFoundError:
+        return "triton"
 
 
 def how(p: Plan | GatherPlan | SplitPlan) -> str:

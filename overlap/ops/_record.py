@@ -34,6 +34,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 
 from .. import guard
 from ..comm import Transport
@@ -71,6 +72,8 @@ def signature(name, group, op, backend, chunks, x, w) -> tuple | None:
     plan depends on. None in validation mode (nothing is kept)."""
     if guard.validating():
         return None
+    if group is None:  # the default group of the moment: a call made before init_process_group
+        group = dist.group.WORLD  # (world size 1) must not answer for one made after it
     stream = current_raw_stream(x.device) if x.is_cuda else 0
     return (name, group, op, backend, chunks, x.device, stream, x.data_ptr() % 16,
             x.dtype, x.shape, x.stride(), w.device, w.data_ptr(), w.dtype, w.shape,

@@ -47,7 +47,8 @@ def embedding_bag_all_to_all(
             chunks).
         mode: ``"sum"``, ``"mean"`` or ``"max"`` (``embedding_bag``'s).
         rank_dims: every rank's ``sum(D_t)``; None asks the ranks (a host collective every
-            call: pass it where it is known).
+            call: pass it where it is known), which also checks that they agree on ``B``,
+            ``mode`` and the dtype (validation mode or not).
 
     Returns:
         ``[B / R, D_all]``. Differentiable in the tables (the gradient is sent back, then
@@ -58,6 +59,8 @@ def embedding_bag_all_to_all(
             not divisible by ``R``, ``rank_dims`` that disagree with the tables, and what
             ``embedding_bag`` rejects: ``offsets[0] != 0``, decreasing offsets,
             ``offsets[-1] > len(indices)``, indices outside the table).
+        overlap.RankMismatchError: ``rank_dims=None`` and the ranks' ``B``, ``mode`` or
+            dtype differ (validation mode: also with ``rank_dims``).
     """
     check_group(group)
     check_chunks(chunks)
@@ -71,8 +74,17 @@ def embedding_bag_all_to_all(
                 fp = guard.fingerprint("embedding_bag_all_to_all", tables[0].dtype, {"bags": B},
                                        "rank_dims=None")  # fmt: skip
                 guard.agree(group, fp, "embedding_bag_all_to_all: every rank's width")
-            rank_dims = [None] * R
-            dist.all_gather_object(rank_dims, D, group=group)
+            # what every rank must share travels with the widths, at no cost: checked here
+            shared = (B, mode, str(tables[0].dtype).removeprefix("torch."))
+            seen = [None] * R
+            dist.all_gather_object(seen, (D, shared), group=group)
+            if any(s != shared for _, s in seen):
+                table = "\n".join(f"  rank {r}: bags={b} mode={m} {t}"
+                                  for r, (_, (b, m, t)) in enumerate(seen))  # fmt: skip
+                raise guard.RankMismatchError("embedding_bag_all_to_all: ranks disagree on the "
+                                              f"batch, mode or dtype; nothing was exchanged.\n"
+                                              f"{table}")  # fmt: skip
+            rank_dims = [d for d, _ in seen]
     if not isinstance(rank_dims, (list, tuple)) or not all(
         isinstance(d, int) and not isinstance(d, bool) for d in rank_dims
     ):  # fmt: skip
@@ -145,14 +157,14 @@ def _bags_forward(tables, indices, offsets, group, mode, rank_dims, backend, chu
             parts.append(F.embedding_bag(i[e[lo] : e[hi]], t, o[lo:hi] - e[lo], mode=mode))
         return torch.cat(parts, dim=1)
 
-    if R == 1:
-        return pool(0, B)
     # per chunk, elements (rows of width 1) received from and sent to every rank
     layout = [([(hi - lo) * d for d in rank_dims], [(hi - lo) * D] * R) for lo, hi in bands]
     sends, receives = tuple(b * D for _ in range(R)), tuple(b * d for d in rank_dims)
     agreed = {"bags": B, "mode": mode}  # (validation; with the splits B implies rank_dims)
-    call = _SplitCall(t0, group, backend, n, sends, receives, 1, 0, "embedding_bag_all_to_all",
-                      agreed)  # fmt: skip
+    call = _SplitCall(t0, group, backend, chunks, sends, receives, 1, 0,
+                      "embedding_bag_all_to_all", agreed)  # (n chunks)  # fmt: skip
+    if R == 1:  # (counted by _SplitCall, as every op's call)
+        return pool(0, B)
     p, s, starts = call.plan, call.stream, [sum(rank_dims[:s_]) for s_ in range(R)]
     with call:  # (its exit waits for the exchange, and closes the watch)
         out = t0.new_empty(b, sum(rank_dims))

@@ -52,7 +52,8 @@ def matmul_collective(
         w: ``[K, N]``, same dtype and device, any strides (``linear.weight.t()`` is fine).
         collective: "all_reduce", "reduce_scatter" or "all_to_all" (module docstring: shapes).
         group: process group; ``None`` is the default group (or world size 1 if
-            ``torch.distributed`` is not initialized).
+            ``torch.distributed`` is not initialized: ``RuntimeError`` where a launcher set
+            ``WORLD_SIZE`` > 1).
         op: "sum" or "avg" (reductions only; "avg" divides the product by R before the sum).
         out: optional contiguous result tensor of the result's shape, dtype and device,
             sharing no memory with ``x`` or ``w``.
@@ -82,24 +83,31 @@ def matmul_collective(
         ValueError: shape or device mismatch, unknown collective/op/backend, ``chunks`` out
             of range, ``M`` not divisible by R for reduce-scatter and all-to-all, ``out``
             with autograd or sharing memory with an input.
+        RuntimeError: no process group where a launcher set ``WORLD_SIZE`` > 1.
         overlap.RankMismatchError: (validation mode) the ranks' calls differ.
         TimeoutError: (validation mode) a rank did not arrive, or the call's collectives did
             not finish, within ``overlap.configure``'s timeout.
     """
+    return _call(x, w, collective, group, op, out, backend, chunks, input_split_sizes,
+                 output_split_sizes, "matmul_collective")  # fmt: skip
+
+
+def _call(x, w, collective, group, op, out, backend, chunks, sends, receives, label: str):
+    """``matmul_collective`` for the public op named ``label`` (what ``overlap.stats``
+    counts the call as)."""
     if check_operands(x, w, collective, op, backend, group, chunks).before:
         raise ValueError(f"collective={collective!r} gathers x before the matmul: call "
                          "overlap.all_gather_matmul")  # fmt: skip
-    split = input_split_sizes is not None or output_split_sizes is not None
+    split = sends is not None or receives is not None
     if split:
-        splits = check_splits(x, collective, input_split_sizes, output_split_sizes,
-                                       group)  # fmt: skip
+        splits = check_splits(x, collective, sends, receives, group)
     gname = via_op(x, w, out, group)
     if gname is not None:
         extra = (list(splits[0]), list(splits[1])) if split else ()
-        return _differentiable(x, w, collective, gname, op, backend, chunks, *extra)
+        return _differentiable(x, w, collective, gname, op, backend, chunks, label, *extra)
     if split:
-        return exchange.split_forward(x, w, group, out, backend, chunks, *splits)
-    return run_after(x, w, collective, group, op, out, backend, chunks, collective)
+        return exchange.split_forward(x, w, group, out, backend, chunks, *splits, None, label)
+    return run_after(x, w, collective, group, op, out, backend, chunks, label)
 
 
 def matmul_allreduce(
@@ -118,8 +126,7 @@ def matmul_allreduce(
     ``collective="reduce_scatter"`` makes it a reduce-scatter (``[M / R, N]``); the other
     arguments are those of ``matmul_collective``, as for the two below.
     """
-    return matmul_collective(x, w, collective, group=group, op=op, out=out, backend=backend,
-                             chunks=chunks)  # fmt: skip
+    return _call(x, w, collective, group, op, out, backend, chunks, None, None, "matmul_allreduce")
 
 
 def matmul_reduce_scatter(
@@ -134,8 +141,9 @@ def matmul_reduce_scatter(
 ) -> torch.Tensor:
     """``reduce_scatter_tensor`` of ``x @ w`` overlapped: ``x [..., K]``, ``w [K, N]`` ->
     ``[M / R, N]``, rank r holding rows ``[r * M / R, (r + 1) * M / R)`` of the sum."""
-    return matmul_collective(x, w, "reduce_scatter", group=group, op=op, out=out,
-                             backend=backend, chunks=chunks)  # fmt: skip
+    return _call(
+        x, w, "reduce_scatter", group, op, out, backend, chunks, None, None, "matmul_reduce_scatter"
+    )
 
 
 def matmul_all_to_all(
@@ -155,9 +163,8 @@ def matmul_all_to_all(
     ``output_split_sizes`` (as ``all_to_all_single``'s: the rows of ``x``, ordered by
     destination, sent to each rank, and the rows received from each), the blocks are uneven
     and the result is ``[sum(output_split_sizes), N]`` (MoE dispatch and combine)."""
-    return matmul_collective(x, w, "all_to_all", group=group, out=out, backend=backend,
-                             chunks=chunks, input_split_sizes=input_split_sizes,
-                             output_split_sizes=output_split_sizes)  # fmt: skip
+    return _call(x, w, "all_to_all", group, "sum", out, backend, chunks, input_split_sizes,
+                 output_split_sizes, "matmul_all_to_all")  # fmt: skip
 
 
 # The op as a torch custom op: torch.compile(fullgraph=True) keeps it whole (Dynamo cannot
@@ -166,19 +173,21 @@ def matmul_all_to_all(
 @custom_op("overlap::matmul_collective")
 def _matmul_collective_op(
     x: torch.Tensor, w: torch.Tensor, collective: str, group: str, op: str, backend: str,
-    chunks: int | None, sends: list[int] | None = None, receives: list[int] | None = None,
+    chunks: int | None, label: str, sends: list[int] | None = None,
+    receives: list[int] | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """``matmul_collective`` as a custom op; ``group``: the group's name, "" for None;
-    ``sends``, ``receives``: the all-to-all's split sizes (left out for equal splits)."""
+    ``label``: the public op called (``overlap.stats``); ``sends``, ``receives``: the
+    all-to-all's split sizes (left out for equal splits)."""
     pg = group_of(group)
     if sends is not None:
         splits = check_splits(x, collective, sends, receives, pg)
-        return exchange.split_forward(x, w, pg, None, backend, chunks, *splits)
-    return run_after(x, w, collective, pg, op, None, backend, chunks, collective)
+        return exchange.split_forward(x, w, pg, None, backend, chunks, *splits, None, label)
+    return run_after(x, w, collective, pg, op, None, backend, chunks, label)
 
 
 @_matmul_collective_op.register_fake
-def _(x, w, collective_name, group, op, backend, chunks, sends=None, receives=None):
+def _(x, w, collective_name, group, op, backend, chunks, label, sends=None, receives=None):
     if sends is not None:
         return x.new_empty(sum(receives), w.shape[1])
     R = world(group_of(group))
@@ -219,7 +228,9 @@ def _backward_op(
     elif spec.before:  # x is x_full: dx is this rank's rows of the reduce-scattered sum
         gp = g2
         if need_dx:
-            dx = run_after(g2, w.t(), spec.dual, pg, "sum", None, "auto", None, spec.dual)
+            # (the all-gather's dual: counted as the public op that runs it)
+            dx = run_after(g2, w.t(), spec.dual, pg, "sum", None, "auto", None,
+                           "matmul_reduce_scatter")  # fmt: skip
             if g_x is not None:  # x_full was used: its gradient, reduce-scattered (plain)
                 part = torch.empty_like(dx)
                 collective(spec.dual).plain(g_x.contiguous(), part, pg)
@@ -261,7 +272,7 @@ def _(g, x, w, collective_name, group, op, need_dx, need_dw, g_x=None, sends=Non
 
 def _setup(ctx, inputs, output) -> None:
     x, w, ctx.collective, ctx.group, ctx.op = inputs[:5]
-    ctx.splits = tuple(inputs[7:])  # (sends, receives) of an uneven all-to-all, or ()
+    ctx.splits = tuple(inputs[8:])  # (sends, receives) of an uneven all-to-all, or ()
     ctx.save_for_backward(x, w)
 
 

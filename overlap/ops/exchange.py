@@ -38,15 +38,14 @@ from ._checks import (
 from ._engine import how, split_plan
 
 
-def split_forward(
-    x, w, group, out, backend, chunks, sends, receives, runs=None, label="matmul_all_to_all"
-) -> torch.Tensor:
+def split_forward(x, w, group, out, backend, chunks, sends, receives, runs, label: str):
     """``matmul_collective`` all-to-all with uneven splits (checked): cuBLAS computes the
     product chunk by chunk into the slot layout of ``plan.band_rows`` (chunk ``c``: band ``c``
     of every destination's block), an event after each; NCCL per chunk sends each chunk
     once its event has passed (``NcclTransport.run_splits``); one gather puts the received
-    rows in order. ``runs`` (``ExpertRuns``): ``w`` is ``[E, K, N]`` and each run of rows
-    uses its expert's matrix (the MoE combine)."""
+    rows in order. ``runs`` (``ExpertRuns``; None: one ``w``): ``w`` is ``[E, K, N]`` and
+    each run of rows uses its expert's matrix (the MoE combine); ``label``: the public op
+    called (``overlap.stats``)."""
     M, K, N = math.prod(x.shape[:-1]), x.shape[-1], w.shape[-1]
     x2 = x.reshape(M, K)
     out = _split_out(out, (sum(receives), N), x, w)
