@@ -1,7 +1,7 @@
 """Soak run: thousands of overlapped calls with mixed shapes, collectives (the all-gather's
-``all_gather_matmul``, the uneven all-to-all, the MoE ops and the embedding-bag all-to-all
-too), dtypes, chunk counts and ops, every result checked against the
-plain torch path in fp32, memory tracked. Half the cases are issued ``REPEATS`` times in a row
+``all_gather_matmul``, half of them with a list of two weights, the uneven all-to-all, the MoE
+ops and the embedding-bag all-to-all too), dtypes, chunk counts and ops, every result checked
+against the plain torch path in fp32, memory tracked. Half the cases are issued ``REPEATS`` times in a row
 with the same weight and fresh inputs, as a model's layer is: through the copy engines the
 second call records a CUDA graph and the third replays it, pointed at the new input and
 output (``ops/_record.py``); the JSON counts the replayed calls.
@@ -173,7 +173,11 @@ def _one_call(rng, gen, dev, R, keep: dict):
                                         output_split_sizes=splits[1], chunks=chunks)  # fmt: skip
     elif coll == "all_gather":
         p = overlap.plan(x, w, coll, chunks=chunks)
-        got = overlap.all_gather_matmul(x, w, chunks=chunks)
+        if rng.random() < 0.5:  # gathered once for two weights: column views of w
+            ws = [w[:, : N // 3], w[:, N // 3 :]]  # (adjacent where w is weight.t())
+            got = torch.cat(overlap.all_gather_matmul(x, ws, chunks=chunks), dim=1)
+        else:
+            got = overlap.all_gather_matmul(x, w, chunks=chunks)
     else:
         p = overlap.plan(x, w, coll, chunks=chunks)
         got = overlap.matmul_collective(x, w, coll, op=op, chunks=chunks)
