@@ -200,10 +200,12 @@ def _backward_op(
     need_dx: bool, need_dw: bool, g_x: torch.Tensor | None = None,
     sends: list[int] | None = None, receives: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """``(dx [.., K], dw [K, N])`` of ``matmul_collective`` or ``all_gather_matmul`` (empty
-    where not needed; ``dw`` is the transpose of a contiguous tensor where ``w`` is, else
-    contiguous), with tensor parallelism's conventions (Megatron's), from the result's
-    gradient ``g``. ``x``: the forward's input (the all-gather's: ``x_full``, and ``dx`` is
+    """``(dx [.., K], dw^T [N, K])`` of ``matmul_collective`` or ``all_gather_matmul`` (empty
+    where not needed; ``w``'s gradient transposed: ``g^T x``, contiguous, so that
+    ``w = weight.t()`` gets ``weight.grad`` with no transposing copy and plain torch's cuBLAS
+    kernel; one layout whatever ``w``'s strides, which under ``torch.compile`` may differ
+    between tracing and a call), with tensor parallelism's conventions (Megatron's), from the
+    result's gradient ``g``. ``x``: the forward's input (the all-gather's: ``x_full``, and ``dx`` is
     then this rank's ``[m, K]``); ``g_x``: the gradient of ``x_full`` where the caller used
     it, else None; ``sends``, ``receives``: an uneven all-to-all's splits (its backward is
     the all-to-all back, ``Collective.backward``).
@@ -248,15 +250,8 @@ def _backward_op(
         gp = spec.backward(g2, pg, None if sends is None else (sends, receives))
     if need_dx:
         dx = (gp @ w.t()).reshape(x.shape)
-    dw = w.new_empty(0)
-    if need_dw:  # w = weight.t() gets g^T x transposed: weight.grad with no transposing copy
-        dw = (gp.t() @ x2).t() if _transposed(w) else x2.t() @ gp
-    return dx, dw
-
-
-def _transposed(w: torch.Tensor) -> bool:
-    """``w [K, N]`` is the transpose of a contiguous ``[N, K]`` (``weight.t()``)."""
-    return not w.is_contiguous() and w.t().is_contiguous()
+    dw_t = gp.t() @ x2 if need_dw else w.new_empty(0)
+    return dx, dw_t
 
 
 @_backward_op.register_fake
@@ -264,10 +259,8 @@ def _(g, x, w, collective_name, group, op, need_dx, need_dw, g_x=None, sends=Non
     dx_shape = x.shape
     if collective(collective_name).before:
         dx_shape = (x.shape[0] // world(group_of(group)), x.shape[1])
-    dw = w.new_empty(0)
-    if need_dw:
-        dw = w.new_empty(w.shape[::-1]).t() if _transposed(w) else w.new_empty(w.shape)
-    return x.new_empty(dx_shape if need_dx else 0), dw
+    dw_t = w.new_empty((w.shape[1], w.shape[0]) if need_dw else 0)
+    return x.new_empty(dx_shape if need_dx else 0), dw_t
 
 
 def _setup(ctx, inputs, output) -> None:
@@ -280,9 +273,9 @@ def _backward(ctx, g):
     x, w = ctx.saved_tensors
     need_dx, need_dw = ctx.needs_input_grad[:2]
     extra = (None, *ctx.splits) if ctx.splits and ctx.splits[0] is not None else ()
-    dx, dw = call(ctx, _backward_op, g, x, w, ctx.collective, ctx.group, ctx.op, need_dx,
-                  need_dw, *extra)  # fmt: skip
-    return (dx if need_dx else None, dw if need_dw else None,
+    dx, dw_t = call(ctx, _backward_op, g, x, w, ctx.collective, ctx.group, ctx.op, need_dx,
+                    need_dw, *extra)  # fmt: skip
+    return (dx if need_dx else None, dw_t.t() if need_dw else None,
             *([None] * (len(ctx.needs_input_grad) - 2)))  # fmt: skip
 
 

@@ -113,9 +113,9 @@ def _gather_backward(ctx, g, g_full):
     if g_full is not None and g_full.numel() == 0:
         g_full = None
     extra = () if g_full is None else (g_full,)  # (inductor drops a None passed for it)
-    dx, dw = call(ctx, _backward_op, g, full, w, "all_gather", ctx.group, "sum", need_dx,
-                  need_dw, *extra)  # fmt: skip
-    return (dx.reshape(ctx.shape) if need_dx else None, dw if need_dw else None,
+    dx, dw_t = call(ctx, _backward_op, g, full, w, "all_gather", ctx.group, "sum", need_dx,
+                    need_dw, *extra)  # fmt: skip
+    return (dx.reshape(ctx.shape) if need_dx else None, dw_t.t() if need_dw else None,
             None, None, None, None)  # fmt: skip
 
 
