@@ -1,10 +1,10 @@
 """Soak run: thousands of overlapped calls with mixed shapes, collectives (the all-gather's
 ``all_gather_matmul``, half of them with a list of two weights, the uneven all-to-all, the MoE
 ops and the embedding-bag all-to-all too), dtypes, chunk counts and ops, every result checked
-against the plain torch path in fp32, memory tracked. Half the cases are issued ``REPEATS`` times in a row
-with the same weight and fresh inputs, as a model's layer is: through the copy engines the
-second call records a CUDA graph and the third replays it, pointed at the new input and
-output (``ops/_record.py``); the JSON counts the replayed calls.
+against the plain torch path in fp32, memory tracked. Half the cases are issued ``REPEATS``
+times in a row with the same weight and fresh inputs, as a model's layer is: through the copy
+engines the second call records a CUDA graph and the third replays it, pointed at the new input
+and output (``ops/_record.py``); the JSON counts the replayed calls.
 
     torchrun --nproc-per-node=2 tools/soak.py --seconds 90
 
