@@ -396,13 +396,14 @@ def _products(layers: list[ColumnParallelLinear], x: torch.Tensor) -> list[torch
     """Each column layer's product ``[..., N_i]`` (no bias) for input ``x`` (sequence
     parallel: this rank's tokens, gathered once), with one matmul of their weights side by
     side."""
-    first = layers[0]
+    first, one = layers[0], len(layers) == 1  # (one: no list, checked and split once less)
     ws = [layer.weight.t() for layer in layers]
     if first.sequence_parallel:
         lead = (x.shape[0] * first.world_size, *x.shape[1:-1])
-        return [y.view(*lead, y.shape[-1]) for y in all_gather_matmul(x, ws, group=first.group)]
-    y = _Column.apply(x, side_by_side(ws).t(), first.group)
-    return list(y.split([w.shape[1] for w in ws], dim=-1))
+        ys = all_gather_matmul(x, ws[0] if one else ws, group=first.group)
+        return [y.view(*lead, y.shape[-1]) for y in ([ys] if one else ys)]
+    y = _Column.apply(x, first.weight if one else side_by_side(ws).t(), first.group)
+    return [y] if one else list(y.split([w.shape[1] for w in ws], dim=-1))
 
 
 def _init(weight: nn.Parameter, bias: nn.Parameter | None, fan_in: int) -> None:

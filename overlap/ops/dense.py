@@ -205,10 +205,10 @@ def _backward_op(
     ``w = weight.t()`` gets ``weight.grad`` with no transposing copy and plain torch's cuBLAS
     kernel; one layout whatever ``w``'s strides, which under ``torch.compile`` may differ
     between tracing and a call), with tensor parallelism's conventions (Megatron's), from the
-    result's gradient ``g``. ``x``: the forward's input (the all-gather's: ``x_full``, and ``dx`` is
-    then this rank's ``[m, K]``); ``g_x``: the gradient of ``x_full`` where the caller used
-    it, else None; ``sends``, ``receives``: an uneven all-to-all's splits (its backward is
-    the all-to-all back, ``Collective.backward``).
+    result's gradient ``g``. ``x``: the forward's input (the all-gather's: ``x_full``, and
+    ``dx`` is then this rank's ``[m, K]``); ``g_x``: the gradient of ``x_full`` where the
+    caller used it, else None; ``sends``, ``receives``: an uneven all-to-all's splits (its
+    backward is the all-to-all back, ``Collective.backward``).
 
     Where the collective has a ``dual`` (``overlap/collectives.py``), ``dx`` is the dual's
     overlapped matmul of ``g`` and ``w^T``: reduce-scatter's is ``all_gather_matmul(g, w^T)``,
