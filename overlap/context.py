@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from . import comm
 from .comm import Transport, kept
-from .guard import group_name
+from .guard import group_name, watchdog
 from .plan import MAX_CHUNKS
 from .signal import current_raw_stream
 
@@ -71,6 +71,9 @@ class Context:
         t = self._transports.get(cls)
         if t is None:
             t = self._transports[cls] = comm.make(cls, self.group, self.device)
+        if t.broken:
+            raise RuntimeError(f"overlap: the {t.name!r} transport of this group was aborted: "
+                               f"{t.broken}")  # fmt: skip
         if cls.sized and not capturing:
             last = _users.get(t)
             if last is not None and last is not self:
@@ -86,6 +89,7 @@ class Context:
     def close(self) -> None:
         """Free the transports' buffers (no call may be in flight)."""
         for t in self._transports.values():
+            watchdog.forget(t)
             t.close()
         self._transports.clear()
 

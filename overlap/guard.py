@@ -23,8 +23,12 @@ with ``overlap.configure(validate=True)``, ``OVERLAP_VALIDATE=1``, or
 
 Off, the process group's own timeout governs (``init_process_group(timeout=...)``): gloo
 raises at once when a peer's connection closes, or after that timeout; torch's NCCL watchdog
-aborts the communicator after it. The GEMM's counters cannot hang a stream by themselves: a
-chunk waits only for this rank's own GEMM, launched before the wait.
+aborts the communicator after it. The calls through the copy engines (and CuPy's NCCL
+communicator), which torch does not see, are watched by this module's ``Watchdog`` with the
+same timeout (or ``configure(timeout=)`` where set): a call not finished in time releases its
+waits, raises ``PeerTimeoutError`` in the thread that issued it and fails its group's later
+calls. The GEMM's counters cannot hang a stream by themselves: a chunk waits only for this
+rank's own GEMM, launched before the wait.
 
 Store keys: ``overlap/<group name>/<call number>/<rank>`` and ``.../<call number>/verdict``
 (``Rendezvous``); each rank deletes its key of call ``n - 2`` once every rank has reached call
@@ -37,7 +41,10 @@ ranks go on in step; a dead rank never does (a new process group is needed).
 
 from __future__ import annotations
 
+import collections
+import ctypes
 import json
+import logging
 import math
 import os
 import threading
@@ -46,6 +53,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+log = logging.getLogger("overlap")
 
 
 class RankMismatchError(ValueError):
@@ -59,14 +68,18 @@ def _env_validate() -> bool:
     )
 
 
+# timeout None: not set (validation mode takes DEFAULT_TIMEOUT, the watchdog the group's own)
 _settings = {
     "validate": _env_validate(),
-    "timeout": float(os.environ.get("OVERLAP_TIMEOUT", "300")),
+    "timeout": float(os.environ["OVERLAP_TIMEOUT"]) if "OVERLAP_TIMEOUT" in os.environ else None,
 }
+DEFAULT_TIMEOUT = 300.0
 
 
 def configure(*, validate: bool | None = None, timeout: float | None = None) -> None:
-    """Turn validation mode on or off and set its timeout in seconds (module docstring).
+    """Turn validation mode on or off and set the timeout in seconds of its waits and of the
+    watchdog (module docstring; unset: 300 s for validation mode, the process group's own
+    timeout for the watchdog).
 
     Every rank of a group must use the same setting: validation is itself a rendezvous.
 
@@ -93,7 +106,7 @@ def validating() -> bool:
 
 def timeout() -> float:
     """The validation timeout in seconds."""
-    return _settings["timeout"]
+    return _settings["timeout"] or DEFAULT_TIMEOUT
 
 
 def group_name(group: dist.ProcessGroup | None) -> str:
@@ -226,11 +239,12 @@ def arm() -> None:
 
 class Watch:
     """Validation mode's watch of one call's work on ``stream`` (None: CPU work, already done
-    when issued, so nothing to watch); ``abort`` releases the call's waits on its peers.
+    when issued, so nothing to watch); ``fail(why)`` releases the call's waits on its peers
+    and makes the group's later calls raise ``why`` (``Transport.fail``).
 
     Made before the call issues anything; ``arm`` starts the clock right before its first
     collective, and ``close`` (which arms it too) waits on the host until ``stream``'s work so
-    far is done. If ``timeout()`` seconds pass first, ``abort`` runs in a timer thread and
+    far is done. If ``timeout()`` seconds pass first, ``fail`` runs in a timer thread and
     ``close`` raises ``TimeoutError``. The thread is what makes a call raise whose host is
     held inside CUDA while issuing: on two GPUs (2026-11-26) the all-gather's first cuBLAS
     matmul, the uneven all-to-all's ``index_select`` and the dispatch's matmuls, each issued
@@ -240,8 +254,8 @@ class Watch:
     thread runs. The clock starts at ``arm``, not at ``Watch()``: a first call's kernel
     compilation must not count."""
 
-    def __init__(self, stream: torch.cuda.Stream | None, abort, what: str) -> None:
-        self.stream, self.abort, self.what = stream, abort, what
+    def __init__(self, stream: torch.cuda.Stream | None, fail, what: str) -> None:
+        self.stream, self.fail, self.what = stream, fail, what
         self.lock, self.state, self.timer = threading.Lock(), "new", None
         _issuing.watch = self
 
@@ -266,7 +280,11 @@ class Watch:
                 return
             self.state = "fired"
         torch.cuda.set_device(self.stream.device)  # (this thread's device: the transports')
-        self.abort()
+        self.fail(
+            f"a call ({self.what}) did not finish within {timeout():g} s (validation mode): a "
+            "peer rank died or stopped mid-call. Call overlap.release(group) on every live "
+            "rank and go on with a new process group, or restart the job"
+        )
 
     def close(self, error: BaseException | None = None) -> None:
         """After the call's work is issued: wait for it (not when ``error``, an exception
@@ -291,6 +309,142 @@ class Watch:
                 "rank died or stopped mid-call); the communicator was aborted and the group "
                 "cannot be used again"
             ) from error
+
+
+class PeerTimeoutError(TimeoutError):
+    """A call through a transport the watchdog watches did not finish within the timeout (a
+    peer rank died or stopped): raised by ``Watchdog`` in the thread that issued the call."""
+
+    message = "a call did not finish within the timeout: a peer rank died or stopped"
+
+    def __init__(self, *args) -> None:  # (an asynchronous exception is made with no args)
+        super().__init__(*(args or (self.message,)))
+
+
+def _raise_in(thread: int, message: str) -> bool:
+    """``PeerTimeoutError(message)`` raised in the thread ``thread`` at its next Python
+    instruction (CPython's asynchronous exception: a thread held inside a C call gets it when
+    the call returns); in the main thread where ``thread`` has no Python state any more (an
+    autograd worker's may not). Returns whether a thread was found."""
+    kind = type("PeerTimeoutError", (PeerTimeoutError,), {"message": message})
+    for ident in (thread, threading.main_thread().ident):
+        found = ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident),
+                                                           ctypes.py_object(kind))  # fmt: skip
+        if found:
+            return True
+    return False
+
+
+def group_timeout(group: dist.ProcessGroup | None, device: torch.device) -> float:
+    """``group``'s own timeout in seconds (``init_process_group(timeout=)``,
+    ``new_group(timeout=)``), or 600 s where its backend does not say."""
+    g = group if group is not None else dist.group.WORLD
+    try:
+        return g._get_backend(device).options._timeout.total_seconds()
+    except (AttributeError, RuntimeError):
+        return 600.0
+
+
+class Watchdog:
+    """Validation off: the calls in flight through the transports whose waits no one else
+    watches (``Transport.watched``: the copy engines' two roads, CuPy's NCCL communicator;
+    torch's NCCL watchdog watches its own collectives), so that a peer that died or stopped
+    makes the survivors raise instead of waiting forever.
+
+    ``issued``, after each such call (an eager one or a recorded graph's replay; not one the
+    user's CUDA graph captured: its replays are the user's), records an event on the caller
+    stream, which waits for the whole call. A daemon thread looks at each transport's oldest
+    event every ``period`` seconds (a tenth of the timeout, at most 1 s); the calls of one
+    transport finish in the order they were issued (``overlap/context.py``). A call not
+    finished ``limit`` seconds after it was issued:
+
+    1. is logged (logger ``"overlap"``) and the transport is failed (``Transport.fail``): its
+       waits on the peers are released (the GPU, and a host held inside CUDA or in a
+       synchronization, go on; the results of the calls in flight are garbage) and every later
+       call of the group raises ``RuntimeError`` saying why and what to do;
+    2. ``PeerTimeoutError`` (a ``TimeoutError``) is raised in the thread that issued the call
+       (``_raise_in``).
+
+    ``limit``: ``configure(timeout=)`` or ``OVERLAP_TIMEOUT`` where set, else the process
+    group's own timeout (``group_timeout``, as torch's watchdog). The clock starts when the
+    call is issued, as torch's does: a stream queued more than the timeout ahead of its GPU is
+    taken for a dead peer. Host cost per call: one event recorded (events are reused).
+    """
+
+    def __init__(self) -> None:
+        self.flights: dict = {}  # transport -> deque of (event, issued at, what, thread)
+        self.limits: dict = {}  # transport -> its group's own timeout
+        self.spare: list = []  # events of finished calls, recorded again
+        self.thread: threading.Thread | None = None
+
+    def issued(self, t, stream: torch.cuda.Stream, what) -> None:
+        """The call ``what`` (its plan: ``describe()`` names it) was just issued through
+        transport ``t`` (``t.group``, ``t.device``) on the caller ``stream``."""
+        event = self.spare.pop() if self.spare else torch.cuda.Event()
+        event.record(stream)
+        self.track(t, event, what)
+
+    def track(self, t, event, what) -> None:
+        """Watch ``event`` (``query()`` tells whether the call is done) for ``t``."""
+        q = self.flights.get(t)
+        if q is None:
+            self.limits[t] = group_timeout(t.group, t.device)
+            q = self.flights[t] = collections.deque()
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._run, name="overlap-watchdog",
+                                               daemon=True)  # fmt: skip
+                self.thread.start()
+        q.append((event, time.monotonic(), what, threading.get_ident()))
+
+    def forget(self, t) -> None:
+        """Stop watching ``t`` (released: no call of it is in flight)."""
+        self.flights.pop(t, None)
+        self.limits.pop(t, None)
+
+    def limit(self, t) -> float:
+        """Seconds a call through ``t`` may take from its issue."""
+        return _settings["timeout"] or self.limits.get(t, 600.0)
+
+    def _run(self) -> None:
+        while True:
+            period = min([1.0] + [self.limit(t) / 10 for t in list(self.limits)])
+            time.sleep(period)
+            try:
+                self.check(time.monotonic())
+            except Exception:  # noqa: BLE001 (the thread must go on watching)
+                log.exception("overlap: the watchdog failed to check the calls in flight")
+
+    def check(self, now: float) -> None:
+        """Recycle the events of finished calls; fail the transports whose oldest call in
+        flight is older than their ``limit``."""
+        for t, q in list(self.flights.items()):
+            while q and q[0][0].query():
+                self.spare.append(q.popleft()[0])
+            if q and now - q[0][1] > self.limit(t):
+                self._fire(t, q[0], now - q[0][1])
+
+    def _fire(self, t, entry: tuple, waited: float) -> None:
+        _, _, what, thread = entry
+        self.forget(t)
+        name = what.describe() if hasattr(what, "describe") else str(what)
+        why = (
+            f"a call ({name}) had not finished {waited:.0f} s after it was issued (timeout "
+            f"{self.limit(t):g} s): a peer rank died or stopped. Its waits on the peers were "
+            "released, so the results of the calls then in flight are not valid. End the job "
+            "and restart it, or call overlap.release(group) on every live rank and go on "
+            "with a new process group"
+        )
+        log.error("overlap: %s", why)
+        # ``Transport.fail`` in two steps: the exception is pending before the abort releases
+        # a thread held in CUDA, so it raises when that returns; a call it makes first raises
+        t.broken = why
+        _raise_in(thread, why)
+        if t.device.type == "cuda":
+            torch.cuda.set_device(t.device)  # (this thread's device: the transport's)
+        t.abort()
+
+
+watchdog = Watchdog()
 
 
 def fingerprint(op: str, dtype: torch.dtype, sizes: dict[str, int | list], layout: str) -> str:

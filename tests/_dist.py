@@ -275,6 +275,13 @@ def fault_scenarios(rank: int, R: int, scenario: str, device: str) -> list[str]:
     - ``killed_mid_call_ce``: the same through the copy-engine transport (GPU only): rank 1
       exits before pushing its second band, for which rank 0's GEMM waits in its epilogue;
       rank 0's watch releases the waits (flags written from a side stream) and raises.
+    - ``killed_mid_call_ce_off``, ``killed_mid_gather_ce_off``: validation off, through the
+      copy engines (GPU only), on a group whose own timeout is 8 s, after a first call: rank 1
+      exits before pushing its second band, or its shard; the call returns, rank 0 waits for the
+      GPU, and the watchdog (``guard.Watchdog``) raises ``TimeoutError`` in it within the
+      timeout; the group's next call raises ``RuntimeError`` at once.
+    - ``stuck_ce_off``: the same when rank 1 does not die but stops before its fourth call
+      (three calls warm), as in the trial of issue 39.
     """
     import time
 
@@ -325,6 +332,8 @@ def fault_scenarios(rank: int, R: int, scenario: str, device: str) -> list[str]:
         else:
             store.wait(["test/done"], timedelta(seconds=60))
         overlap.configure(validate=False)
+    elif scenario.endswith("_off"):
+        failures += _watchdog_scenario(rank, scenario, dev, x, w)
     elif scenario.startswith("killed_mid_"):
         validate = device != "cpu"
         backend = "ce" if scenario.endswith("_ce") else "torch"
@@ -392,6 +401,68 @@ def fault_scenarios(rank: int, R: int, scenario: str, device: str) -> list[str]:
 
 
 fault_scenarios.no_teardown = True
+
+
+def _watchdog_scenario(rank: int, scenario: str, dev: str, x, w) -> list[str]:
+    """``fault_scenarios``' validation-off copy-engine cases (its docstring)."""
+    import time
+
+    from overlap.comm import PeerTransport
+
+    overlap.configure(validate=False)
+    g = dist.new_group([0, 1], timeout=timedelta(seconds=8))  # the watchdog's limit
+    gather = "gather" in scenario
+    failures: list[str] = []
+
+    def call():
+        if gather:
+            return overlap.all_gather_matmul(x, w, chunks=4, backend="ce", group=g)
+        return overlap.matmul_collective(x, w, chunks=4, backend="ce", group=g)
+
+    for _ in range(3 if scenario == "stuck_ce_off" else 1):  # (sizes the buffers: collectives)
+        call()  # the second is recorded in a CUDA graph, the third replays it
+    torch.cuda.synchronize(dev)
+    if scenario == "stuck_ce_off":
+        if rank == 1:
+            time.sleep(25)  # stopped, not dead: rank 0 must not wait for it
+            os._exit(0)
+    elif rank == 1 and gather:
+        PeerTransport.gather = lambda *a, **k: os._exit(0)
+    elif rank == 1:
+        orig_send = PeerTransport._send
+
+        def dying_send(self, p, slots, out, wait, q, own):
+            def wait_or_die(c, ops=None):
+                if c == 1:  # rank 0's tiles of this band wait for it in the kernel
+                    os._exit(0)
+                wait(c, ops)
+
+            return orig_send(self, p, slots, out, wait_or_die, q, own)
+
+        PeerTransport._send = dying_send  # (the host road's `run` calls it too)
+    p = overlap.plan(x, w, "all_gather" if gather else "all_reduce", chunks=4, backend="ce",
+                     group=g)  # fmt: skip
+    if p.path != "overlap" or p.transport != "ce":
+        return [f"the call does not take the copy engines: {p.describe()}"]
+    t0 = time.monotonic()
+    try:
+        call()  # validation off: returns once issued
+        torch.cuda.synchronize(dev)  # held until the watchdog releases the waits
+        for _ in range(500):  # the exception is pending by then: it comes here at the latest
+            time.sleep(0.01)
+        failures.append("no error although rank 1 died or stopped")
+    except TimeoutError as e:
+        took = time.monotonic() - t0
+        if not 8 <= took < 25 or "died or stopped" not in str(e):
+            failures.append(f"raised after {took:.1f} s (group timeout 8 s): {e}")
+    t0 = time.monotonic()
+    try:
+        call()
+        failures.append("a call after the timeout did not raise")
+    except RuntimeError as e:
+        if "aborted" not in str(e) or time.monotonic() - t0 > 1:
+            failures.append(f"the call after the timeout: {e}")
+    return failures
 
 
 # the names overlap.collectives calls: torch 2.13's, or the GPU image's 2.11 ones

@@ -303,6 +303,16 @@ def test_faults_raise_instead_of_hanging(scenario, monkeypatch):
     _on_two_gpus(monkeypatch, fault_scenarios, scenario, "cuda", **env)
 
 
+@pytest.mark.parametrize("p2p", ["nvlink", "no_p2p"])
+@pytest.mark.parametrize("scenario", ["killed_mid_call_ce_off", "killed_mid_gather_ce_off",
+                                      "stuck_ce_off"])  # fmt: skip
+def test_watchdog_copy_engines(scenario, p2p, monkeypatch):
+    """Validation off, a peer dead or stopped on either copy-engine road: the watchdog makes
+    the survivor raise within the group's timeout (``_dist._watchdog_scenario``)."""
+    env = {"NCCL_P2P_DISABLE": "1"} if p2p == "no_p2p" else {}
+    _on_two_gpus(monkeypatch, fault_scenarios, scenario, "cuda", **env)
+
+
 def _reference(coll: str, x: torch.Tensor, w: torch.Tensor, R: int) -> torch.Tensor:
     """float64 ``collective(x @ w)`` through torch.distributed."""
     import torch.distributed as dist

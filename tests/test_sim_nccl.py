@@ -34,7 +34,10 @@ SCHEDULES = [(0, None), (1, "comm"), (None, "caller")]  # (ahead, slow)
 
 def _contexts(sim, R):
     comms, group = streams(sim, R), Group(R)
-    return [Context(TorchTransport(Comm(sim, group, r)), comms[r], r) for r in range(R)]
+    return [
+        Context(TorchTransport(Comm(sim, group, r), group, torch.device("cpu")), comms[r], r)
+        for r in range(R)
+    ]
 
 
 @pytest.mark.parametrize(

@@ -444,8 +444,9 @@ def test_watch_releases_a_host_held_in_the_issue(fake_cuda):
     ``TimeoutError``."""
     stream, aborted = fake_cuda, []
 
-    def abort() -> None:  # ends the stuck collective: the stream's work is done
+    def abort(why: str) -> None:  # ends the stuck collective: the stream's work is done
         aborted.append(threading.current_thread() is not threading.main_thread())
+        assert "did not finish within 0.5 s" in why and "release" in why
         stream.done.set()
 
     t0 = time.monotonic()
@@ -462,14 +463,14 @@ def test_watch_counts_from_the_first_collective(fake_cuda):
     whose collectives finish in time is neither aborted nor raises; neither does a call
     whose issue raised, which gets its own exception back."""
     stream, aborted = fake_cuda, []
-    with guard.Watch(stream, lambda: aborted.append(1), "the call"):
+    with guard.Watch(stream, lambda why: aborted.append(1), "the call"):
         time.sleep(1.0)  # twice the timeout, before the first collective
         guard.arm()
         stream.done.set()
     time.sleep(0.7)  # past the timer's deadline: it must have been stopped
     assert aborted == []
     with pytest.raises(KeyError):
-        with guard.Watch(_Stream(), lambda: aborted.append(1), "the call"):
+        with guard.Watch(_Stream(), lambda why: aborted.append(1), "the call"):
             guard.arm()
             raise KeyError("issue")
     time.sleep(0.7)

@@ -110,7 +110,7 @@ def make(cls: type[Transport], group: dist.ProcessGroup | None, device: torch.de
     assert issubclass(cls, NcclTransport)
     if key not in _comms:
         _comms[key] = cls.comm_type(group)
-    return cls(_comms[key])
+    return cls(_comms[key], group, device)
 
 
 def shared(

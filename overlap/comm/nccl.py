@@ -161,8 +161,8 @@ class NcclTransport(Transport):
     comm_type: type = TorchComm
     uneven = True
 
-    def __init__(self, comm: TorchComm | CupyComm) -> None:
-        self.comm = comm
+    def __init__(self, comm: TorchComm | CupyComm, group, device: torch.device) -> None:
+        self.comm, self.group, self.device = comm, group, device
         self._events: list[torch.cuda.Event] = []  # one per chunk (`events`)
         self._orders: dict[tuple, torch.Tensor] = {}  # run_splits' row orders
 
@@ -243,7 +243,7 @@ class NcclTransport(Transport):
         """``Transport.order``, made once per splits and device."""
         key = (splits, n, str(device), to_slots)
         if key not in self._orders:
-            if len(self._orders) >= 64:  # routing changes every step in MoE: keep a few
+            if len(self._orders) >= 8:  # routing changes every step in MoE: keep a few
                 self._orders.clear()
             order = torch.empty(sum(splits), dtype=torch.long)
             for row in band_rows(splits, n):
@@ -290,7 +290,7 @@ class TorchTransport(NcclTransport):
 class CupyTransport(NcclTransport):
     """NCCL per chunk through a direct NCCL communicator (CuPy's binding)."""
 
-    name, comm_type = "cupy", CupyComm
+    name, comm_type, watched = "cupy", CupyComm, True
 
 
 def _chunks(

@@ -128,6 +128,7 @@ class PeerTransport(Transport):
     """Copy-engine pushes into symmetric-memory receive buffers; one per (group, device)."""
 
     name, blocked, column_bands, road, sized, recorded = "ce", True, False, "peer", True, True
+    watched = True
     a2a_in_place = True  # all-to-all may use `out`'s peer blocks as scratch (run's order)
 
     def __init__(self, group: dist.ProcessGroup | None, device: torch.device) -> None:
@@ -189,11 +190,6 @@ class PeerTransport(Transport):
         return self._views[key]
 
     def _usable(self, p: Plan) -> None:
-        if self.broken:
-            raise RuntimeError(
-                "the copy-engine transport of this group was aborted (validation mode's "
-                "timeout); its flags no longer match the peers'"
-            )
         _layout(self.size, p.bands_per_block).check()
 
     def fits(self, M: int, N: int, K: int, spec, dtype: torch.dtype) -> bool:
@@ -356,10 +352,9 @@ class PeerTransport(Transport):
         return [self._flag(self.rank, i) for i in range(FLAGS_BYTES // 4)] if self.ptrs else []
 
     def abort(self) -> None:
-        """Release this rank's waits on its peers (validation mode's timeout): every local
-        flag is set by stream memory writes on a side stream (no SM: a
-        GEMM waiting in its epilogue may hold them all); the transport refuses later calls."""
-        self.broken = True
+        """Release this rank's waits on its peers (``fail``): every local flag is set by
+        stream memory writes on a side stream (no SM: a GEMM waiting in its epilogue may hold
+        them all)."""
         side = torch.cuda.Stream(self.device)
         q = StreamOps(side.cuda_stream)
         for addr in self._local_flags():

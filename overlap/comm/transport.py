@@ -13,7 +13,8 @@ A transport moves the chunks of a plan between the ranks of a group. An overlapp
    it reads from ``slots`` (``wait`` orders the stream after chunk ``c``'s tiles; the copy
    engines call ``wait(c, ops)`` with their ``signal.wait.StreamOps`` of ``stream``, and the
    wait joins its batch);
-3. ``abort()`` when validation mode's watch times out (a peer died mid-call);
+3. ``fail(why)`` when validation mode's watch or the watchdog (``overlap/guard.py``) times
+   out (a peer died or stopped mid-call): ``abort()``, and later calls raise ``why``;
 4. ``close()`` when the context is released (``overlap.release``).
 
 An all-gather (a collective *before* the matmul, ``overlap.all_gather_matmul``) asks instead
@@ -84,9 +85,12 @@ class Transport:
       stream, whose buffers an eager call sizes: a call captured in a CUDA graph needs
       ``fits`` (a capture cannot grow them), and calls of two streams are serialized;
     - ``recorded``: a repeated eager call is recorded into a CUDA graph and replayed
-      (``overlap/ops/_record.py``).
+      (``overlap/ops/_record.py``);
+    - ``watched``: with validation off, ``guard.watchdog`` watches its calls in flight (torch
+      watches its own collectives). Such a transport has ``group`` and ``device``.
 
-    State every transport has: ``broken`` (aborted: later calls raise), ``generation``
+    State every transport has: ``broken`` (why it was failed, ``fail``; empty while usable:
+    ``Context.transport`` refuses a broken one), ``generation``
     (grows with every new buffer: recorded graphs hold addresses) and ``graph_pool`` (the
     memory pool of its recorded calls' graphs).
     """
@@ -98,7 +102,8 @@ class Transport:
     road: str | None = None
     sized: bool = False
     recorded: bool = False
-    broken: bool = False
+    watched: bool = False
+    broken: str = ""
     generation: int = 0
     graph_pool = None
 
@@ -181,6 +186,11 @@ class Transport:
     def abort(self) -> None:
         """Release this rank's waits on its peers; the transport is unusable afterwards."""
         raise NotImplementedError
+
+    def fail(self, why: str) -> None:
+        """``abort``, and make every later call raise ``why`` (``Context.transport``)."""
+        self.broken = why
+        self.abort()
 
     def close(self) -> None:
         """Free what the transport holds (buffers, mappings). No call may be in flight."""

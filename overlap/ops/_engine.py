@@ -228,7 +228,15 @@ def _watch(ctx: Context, cls, p: Plan | GatherPlan, x: torch.Tensor, capturing: 
         s, cls = torch.cuda.current_stream(x.device), TorchTransport
     else:
         s = ctx.comm_stream
-    return guard.Watch(s, lambda: ctx.transport(cls).abort(), p.describe())
+    return guard.Watch(s, lambda why: ctx.transport(cls).fail(why), p.describe())
+
+
+def _issued(t: Transport, ctx: Context, p: Plan | GatherPlan) -> None:
+    """Validation off: the call of plan ``p`` just issued through ``t`` is watched until it
+    is done, where ``t`` declares ``watched`` (``guard.Watchdog``; validation mode's
+    ``Watch`` waits for every call itself)."""
+    if t.watched:
+        guard.watchdog.issued(t, ctx.caller, p)
 
 
 # -- after the matmul ------------------------------------------------------------------------
@@ -247,7 +255,8 @@ def run_after(x, w, name, group, op, out, backend, chunks, label: str) -> torch.
         key = (sig, _record.outputs(out))
         replayed = _record.replay(key, _record.bases(x, out))  # a recorded call again
         if replayed is not None:
-            stats.count(label, "replayed via " + replayed)
+            stats.count(label, "replayed via " + replayed.name)
+            _issued(replayed, ctx, p)
             return out
     R, M, N = p.world_size, p.M, p.N
     x2 = x if x.dim() == 2 else x.reshape(M, p.K)
@@ -265,6 +274,8 @@ def run_after(x, w, name, group, op, out, backend, chunks, label: str) -> torch.
             if x2.data_ptr() != x.data_ptr():  # (a copy made x 2-D: nothing to record)
                 key = None
             _record.recorded(call, ctx, cls, capturing=cap, key=key, moved=(x, out))
+            if not (cap or validating):
+                _issued(ctx.transport(cls), ctx, p)
     return out
 
 
@@ -373,7 +384,8 @@ def run_before(x, w, group, out, backend, chunks, keep: bool):
         key = (sig, _record.outputs(out, full), _record.bases(x, out, full))  # (not rebound)
         replayed = _record.replay(key, ())  # a recorded call again
         if replayed is not None:
-            stats.count("all_gather_matmul", "replayed via " + replayed)
+            stats.count("all_gather_matmul", "replayed via " + replayed.name)
+            _issued(replayed, ctx, p)
             return out, full
     x2 = x.reshape(M // R, K)
     validating = ctx is not None and guard.validating()
@@ -395,6 +407,8 @@ def run_before(x, w, group, out, backend, chunks, keep: bool):
                 key = None
             call = functools.partial(_gathered, x2, w, out, full, p, ctx, cls)
             _record.recorded(call, ctx, cls, capturing=cap, key=key)
+            if not (cap or validating):
+                _issued(ctx.transport(cls), ctx, p)
     return out, full
 
 

@@ -90,22 +90,22 @@ def bases(*tensors: torch.Tensor) -> tuple[int, ...]:
     return tuple(t.data_ptr() for t in tensors)
 
 
-def replay(key: tuple, at: tuple[int, ...]) -> str | None:
+def replay(key: tuple, at: tuple[int, ...]) -> Transport | None:
     """Replay the recorded graph of the call ``key`` (a signature and its outputs) for the
     tensors at ``at`` (``bases`` of the moved tensors ``recorded`` was given); returns its
-    transport's name, or None where there is none, its transport has new buffers or is
-    broken, or the graph cannot be pointed at ``at``."""
+    transport, or None where there is none, its transport has new buffers, or the graph
+    cannot be pointed at ``at``. A failed transport raises (``Context.transport``)."""
     rec = records.get(key)
     if rec is None or rec.graph is None:
         return None
     t = rec.ctx.transport(rec.cls)  # this stream after the last one of another stream
-    if t.broken or t.generation != rec.generation:
+    if t.generation != rec.generation:
         return None
     if rec.bases != at and (rec := _point(key, rec, at)) is None:
         return None
     records.move_to_end(key)
     rec.graph.replay()
-    return t.name
+    return t
 
 
 def _point(key: tuple, rec: Record, at: tuple[int, ...]) -> Record | None:
@@ -140,9 +140,6 @@ def recorded(
         call(capturing)
         return
     t = ctx.transport(cls)  # this stream after the last one of another stream
-    if t.broken:  # (validation mode was on) the call raises
-        call(False)
-        return
     at = bases(*moved)
     rec = records.get(key)
     if rec is not None and rec.graph is not None and rec.bases != at:

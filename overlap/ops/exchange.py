@@ -135,8 +135,9 @@ class _SplitCall:
             self.caller = torch.cuda.current_stream(x.device)
             self.events = self.transport.events(self.plan.n_chunks)
             self.stream.wait_stream(self.caller)
-            if validating and not capturing(x):
-                self.watch = guard.Watch(self.stream, self.transport.abort, self.plan.describe())
+            self.capturing = capturing(x)
+            if validating and not self.capturing:
+                self.watch = guard.Watch(self.stream, self.transport.fail, self.plan.describe())
 
     def mark(self, c: int, stream) -> None:
         """Chunk ``c`` is done on ``stream`` (an event; nothing on CPU)."""
@@ -160,6 +161,8 @@ class _SplitCall:
         self.caller.wait_stream(self.stream)
         if self.watch is not None:
             self.watch.close(error)
+        elif self.transport.watched and not (self.capturing or guard.validating()):
+            guard.watchdog.issued(self.transport, self.caller, self.plan)
 
 
 def _product(x2, w, y, src: slice, dst: slice, runs, ids_at_dst: bool = False) -> None:
