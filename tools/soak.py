@@ -12,6 +12,11 @@ Every rank draws the same case sequence (seeded), its own inputs. Validation mod
 on for every other block of ``BLOCK`` calls (small, so that a short soak, whose first minutes go
 into compiling kernels, runs both modes). Prints a summary and writes JSON (rank 0).
 
+``--backend torch``: the dense calls through NCCL per chunk (the default, auto, takes the copy
+engines: GPU to GPU, or through host memory under ``NCCL_P2P_DISABLE=1``). The JSON has the
+drift of memory over the second half of the blocks (allocated, also outside the recorded
+graphs' pools; reserved; host RSS; the uneven exchanges' cached row orders).
+
 ``--one-gpu``: both ranks on GPU 0 over gloo (a machine with one GPU; start it with
 ``NCCL_P2P_DISABLE=1``): the copy engines' host road and NCCL per chunk through gloo, with the
 real kernels; the references' collectives run on host copies. Correctness only: the two
@@ -34,7 +39,7 @@ import torch.distributed as dist
 
 import overlap
 from overlap.bench import need_gpus
-from overlap.context import records
+from overlap.context import _contexts, records
 from overlap.plan import make_split_plan
 
 SHAPES = [  # (M, K, N)
@@ -55,6 +60,7 @@ TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 BLOCK = 50
 REPEATS = 3  # a repeated case's calls: the first eager, the second recorded, the rest replayed
 ON_HOST = False  # --one-gpu: gloo takes the references' collectives on host tensors
+BACKEND = "auto"  # --backend: the dense calls' (the uneven exchanges take NCCL per chunk)
 
 
 def _plain(fn, out: torch.Tensor, *ins) -> None:
@@ -172,15 +178,15 @@ def _one_call(rng, gen, dev, R, keep: dict):
         got = overlap.matmul_all_to_all(x, w, input_split_sizes=splits[0],
                                         output_split_sizes=splits[1], chunks=chunks)  # fmt: skip
     elif coll == "all_gather":
-        p = overlap.plan(x, w, coll, chunks=chunks)
+        p = overlap.plan(x, w, coll, chunks=chunks, backend=BACKEND)
         if rng.random() < 0.5:  # gathered once for two weights: column views of w
             ws = [w[:, : N // 3], w[:, N // 3 :]]  # (adjacent where w is weight.t())
-            got = torch.cat(overlap.all_gather_matmul(x, ws, chunks=chunks), dim=1)
+            got = torch.cat(overlap.all_gather_matmul(x, ws, chunks=chunks, backend=BACKEND), dim=1)
         else:
-            got = overlap.all_gather_matmul(x, w, chunks=chunks)
+            got = overlap.all_gather_matmul(x, w, chunks=chunks, backend=BACKEND)
     else:
-        p = overlap.plan(x, w, coll, chunks=chunks)
-        got = overlap.matmul_collective(x, w, coll, op=op, chunks=chunks)
+        p = overlap.plan(x, w, coll, chunks=chunks, backend=BACKEND)
+        got = overlap.matmul_collective(x, w, coll, op=op, chunks=chunks, backend=BACKEND)
     ref = _reference(x, w, coll, op, R, splits)
     if ref.numel() == 0:  # an uneven all-to-all may bring this rank no rows
         return dtype, 0.0 if got.numel() == 0 else float("nan"), p, op
@@ -201,16 +207,42 @@ def cases(rng: random.Random) -> Iterator[dict]:
 
 
 def _sample(done: int) -> dict:
-    """GPU memory after ``done`` calls, with the recorded calls that may hold some of it (their
-    graphs' pools: ``ops/_record.py``, at most ``MAX_RECORDS``)."""
+    """GPU memory after ``done`` calls, with what the library keeps that may hold some of it:
+    the recorded calls (their graphs' pools: ``ops/_record.py``, at most ``MAX_RECORDS``),
+    the uneven exchanges' row orders (``NcclTransport.order``, a few), the transports'
+    buffers; and this process's resident host memory."""
     graphs = sum(r.graph is not None for r in records.values())
+    transports = {t for c in _contexts.values() for t in c._transports.values()}
+    orders = sum(o.numel() * o.element_size() for t in transports
+                 for o in getattr(t, "_orders", {}).values())  # fmt: skip
+    with open("/proc/self/statm") as f:
+        rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    outside = sum(s["allocated_size"] for s in torch.cuda.memory_snapshot()
+                  if tuple(s.get("segment_pool_id", (0, 0))) == (0, 0))  # fmt: skip
     return {
         "call": done,
         "allocated": torch.cuda.memory_allocated(),
+        "allocated_outside_graphs": outside,
         "reserved": torch.cuda.memory_reserved(),
         "records": len(records),
         "graphs": graphs,
+        "orders": orders,
+        "transport_bytes": sum(t.nbytes for t in transports),
+        "host_rss": rss,
     }
+
+
+def _drift(memory: list[dict], what: str) -> dict:
+    """How ``what`` moved over the second half of the samples (after the warm-up: kernels
+    compiled, buffers sized, caches full): the change, the range, bytes per call."""
+    half = memory[len(memory) // 2 :]
+    if len(half) < 2:
+        return {}
+    values = [m[what] for m in half]
+    calls = half[-1]["call"] - half[0]["call"]
+    return {"from_call": half[0]["call"], "change": values[-1] - values[0],
+            "range": max(values) - min(values),
+            "per_call": round((values[-1] - values[0]) / max(calls, 1), 1)}  # fmt: skip
 
 
 def main() -> None:
@@ -223,9 +255,15 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=2026)
     ap.add_argument("--out", default="bench_out/soak.json", help="JSON file (default: %(default)s)")
     ap.add_argument("--one-gpu", action="store_true", help="both ranks on GPU 0, over gloo")
+    ap.add_argument(
+        "--backend",
+        default="auto",
+        choices=("auto", "torch"),
+        help="the dense calls' backend: auto (the copy engines) or torch (NCCL)",
+    )
     a = ap.parse_args()
-    global ON_HOST
-    ON_HOST = a.one_gpu
+    global ON_HOST, BACKEND
+    ON_HOST, BACKEND = a.one_gpu, a.backend
     need_gpus("tools/soak.py", "torchrun --nproc-per-node=2 tools/soak.py (2 GPUs), or on one GPU: "
               "NCCL_P2P_DISABLE=1 torchrun --nproc-per-node=2 tools/soak.py --one-gpu")  # fmt: skip
     rank = int(os.environ["RANK"])
@@ -284,6 +322,12 @@ def main() -> None:
             "allocated_spread_after_first_block": (
                 max(after_warmup) - min(after_warmup) if after_warmup else 0
             ),
+            "backend": BACKEND,
+            "road": os.environ.get("NCCL_P2P_DISABLE") == "1" and "no P2P" or "P2P",
+            "drift_second_half": {
+                k: _drift(memory, k)
+                for k in ("allocated", "allocated_outside_graphs", "reserved", "host_rss", "orders")
+            },
         }
         print(json.dumps({k: v for k, v in result.items() if k != "memory_rank0"}, indent=1))
         out = pathlib.Path(a.out)
