@@ -223,3 +223,24 @@ def _soak_cases(rank: int, R: int) -> list[str]:
 def test_soak_repeats_cases(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     spawn(_soak_cases, 2)
+
+
+def test_soak_cycle_repeats_its_cases_with_their_weights():
+    """``--cycle``: the first ``cycle`` cases come back round after round, in order, each with
+    the dict (the weight) of its first round, and the round hook runs before each round."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import soak
+
+    rng, starts = random.Random(5), []
+    schedule = soak.cases(rng, 4, lambda: starts.append(len(seen)))
+    seen: list = []
+    for _ in range(40):
+        keep = next(schedule)
+        keep.setdefault("id", len({id(k) for k in seen}))
+        seen.append((keep, rng.random()))  # what the call draws
+    rounds = [seen[a:b] for a, b in zip(starts, starts[1:], strict=False)]
+    assert len(rounds) >= 3 and starts[0] == 0
+    for r in rounds[1:]:
+        assert [(k["id"], x) for k, x in r] == [(k["id"], x) for k, x in rounds[0]]
+        assert all(k is k0 for (k, _), (k0, _) in zip(r, rounds[0], strict=True))
+    assert len({k["id"] for k, _ in seen}) == 4

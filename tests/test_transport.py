@@ -172,7 +172,7 @@ def test_all_gather_protocol(kind, R, m, chunks, ahead, monkeypatch):
 
 @pytest.mark.parametrize("kind", ["peer", "host"])
 def test_abort_sets_every_flag(kind, monkeypatch):
-    """``abort`` sets every flag this rank waits on (1,024 of them on the peer road, 2,048
+    """``fail`` marks the transport and ``abort`` sets every flag this rank waits on (1,024 of them on the peer road, 2,048
     on the host road: more than one ``cuStreamBatchMemOp`` takes, which the fake driver
     refuses as the driver does) with stream memory writes on a side stream."""
     sim, kernels, _ = install(monkeypatch)
@@ -181,10 +181,10 @@ def test_abort_sets_every_flag(kind, monkeypatch):
     flags = t._local_flags()
     assert len(flags) > MAX_BATCH
     try:
-        t.abort()
+        t.fail("a peer died")
     finally:
         kernels.close()
-    assert t.broken
+    assert t.broken == "a peer died"
     unset = [a for a in flags if ctypes.c_uint32.from_address(a).value != SET]
     assert not unset, f"{len(unset)} of {len(flags)} flags not set"
     assert sim.memop_calls == -(-len(flags) // MAX_BATCH)

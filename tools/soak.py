@@ -12,6 +12,10 @@ Every rank draws the same case sequence (seeded), its own inputs. Validation mod
 on for every other block of ``BLOCK`` calls (small, so that a short soak, whose first minutes go
 into compiling kernels, runs both modes). Prints a summary and writes JSON (rank 0).
 
+``--cycle 100``: the first 100 cases in rounds with their weights kept, as a training loop
+calls the same sites step after step: memory at the start of each round, and its drift from
+the third round on (nothing compiles or records any more), in the JSON.
+
 ``--backend torch``: the dense calls through NCCL per chunk (the default, auto, takes the copy
 engines: GPU to GPU, or through host memory under ``NCCL_P2P_DISABLE=1``). The JSON has the
 drift of memory over the second half of the blocks (allocated, also outside the recorded
@@ -194,16 +198,26 @@ def _one_call(rng, gen, dev, R, keep: dict):
     return dtype, err, p, op
 
 
-def cases(rng: random.Random) -> Iterator[dict]:
+def cases(rng: random.Random, cycle: int = 0, round_starts=None) -> Iterator[dict]:
     """The ``keep`` argument of each ``_one_call``, with ``rng`` set for it: a new case (an
     empty dict) is issued once or, half the time, ``REPEATS`` times, each repeat drawing the
-    same choices from ``rng`` and sharing the case's dict (its weight)."""
+    same choices from ``rng`` and sharing the case's dict (its weight).
+
+    ``cycle``: the first ``cycle`` cases in rounds, again and again, each keeping its dict
+    (its weight) from round to round, as a training loop's call sites do;
+    ``round_starts()`` is called before each round."""
+    start, keeps, i = rng.getstate(), {}, 0
     while True:
+        if cycle and i % cycle == 0:
+            rng.setstate(start)
+            if round_starts is not None:
+                round_starts()
         n = REPEATS if rng.random() < 0.5 else 1
-        case, keep = rng.getstate(), {}
+        case, keep = rng.getstate(), keeps.setdefault(i % cycle, {}) if cycle else {}
         for _ in range(n):
             rng.setstate(case)
             yield keep
+        i += 1
 
 
 def _sample(done: int) -> dict:
@@ -232,6 +246,19 @@ def _sample(done: int) -> dict:
     }
 
 
+def _drift_rounds(rounds: list[dict], what: str) -> dict:
+    """How ``what`` moved from the start of the third round (``--cycle``: the first compiles
+    and sizes, the second records) to the start of the last: the change, the range, bytes per
+    call."""
+    if len(rounds) < 4:
+        return {}
+    values = [m[what] for m in rounds[2:]]
+    calls = rounds[-1]["call"] - rounds[2]["call"]
+    return {"rounds": len(values) - 1, "calls": calls, "change": values[-1] - values[0],
+            "range": max(values) - min(values),
+            "per_call": round((values[-1] - values[0]) / max(calls, 1), 1)}  # fmt: skip
+
+
 def _drift(memory: list[dict], what: str) -> dict:
     """How ``what`` moved over the second half of the samples (after the warm-up: kernels
     compiled, buffers sized, caches full): the change, the range, bytes per call."""
@@ -256,6 +283,12 @@ def main() -> None:
     ap.add_argument("--out", default="bench_out/soak.json", help="JSON file (default: %(default)s)")
     ap.add_argument("--one-gpu", action="store_true", help="both ranks on GPU 0, over gloo")
     ap.add_argument(
+        "--cycle",
+        type=int,
+        default=0,
+        help="repeat the first CYCLE cases in rounds, weights kept (0: never)",
+    )
+    ap.add_argument(
         "--backend",
         default="auto",
         choices=("auto", "torch"),
@@ -276,7 +309,8 @@ def main() -> None:
     failures, worst, paths, memory = [], {}, {"overlap": 0, "fallback": 0}, []
     t0 = time.monotonic()
     done = validated = 0
-    schedule = cases(rng)
+    rounds: list[dict] = []  # --cycle: memory at the start of each round
+    schedule = cases(rng, a.cycle, lambda: rounds.append(_sample(done)))
     overlap.stats(reset=True)
     while done < a.calls:
         if done % BLOCK == 0:
@@ -324,12 +358,19 @@ def main() -> None:
             ),
             "backend": BACKEND,
             "road": os.environ.get("NCCL_P2P_DISABLE") == "1" and "no P2P" or "P2P",
+            "cycle": a.cycle,
+            "memory_at_rounds_rank0": rounds,
+            "drift_over_rounds_after_the_second": {
+                k: _drift_rounds(rounds, k)
+                for k in ("allocated", "allocated_outside_graphs", "reserved", "host_rss")
+            },
             "drift_second_half": {
                 k: _drift(memory, k)
                 for k in ("allocated", "allocated_outside_graphs", "reserved", "host_rss", "orders")
             },
         }
-        print(json.dumps({k: v for k, v in result.items() if k != "memory_rank0"}, indent=1))
+        long = ("memory_rank0", "memory_at_rounds_rank0")
+        print(json.dumps({k: v for k, v in result.items() if k not in long}, indent=1))
         out = pathlib.Path(a.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=1))
