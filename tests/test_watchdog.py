@@ -130,6 +130,7 @@ def test_the_timeout_is_the_process_groups_unless_configured():
         guard._settings["timeout"] = None
         sub = dist.new_group([0], timeout=timedelta(seconds=7))
         dog, cpu = guard.Watchdog(), torch.device("cpu")
+        dog.thread = threading.current_thread()  # (no thread: its call never finishes)
         assert guard.group_timeout(None, cpu) == 42
         assert guard.group_timeout(sub, cpu) == 7
         t = _Stuck(_Call())
