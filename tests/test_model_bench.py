@@ -42,6 +42,11 @@ def test_model_bench_cpu(tmp_path):
     ops = res["breakdown"]["ops"]
     assert len(ops) == 12 and {o["layout"] for o in ops} == {"nk", "kn"}
     assert all(o["error"] < 1e-5 for o in ops), [(o["op"], o["error"]) for o in ops]
+    # a layer's sequence-parallel collectives: 4 all-gathers and 4 reduce-scatters of
+    # [seq, hidden] fp32, each rank sending half of each (hidden 64 at --dims small)
+    moved = res["breakdown"]["bytes"]
+    assert moved["bytes_per_rank"] == 8 * res["config"]["seq"] * 64 * 4 // 2
+    assert moved["collectives_alone_ms"] > 0 and moved["host_copy_bound"] is None
 
 
 def test_timeline_attributes_a_step():

@@ -42,7 +42,11 @@ with and without sequence parallelism, at this run's shapes and in the layout au
 library's kernel alone, the collective alone, plain (cuBLAS, then the collective), the
 library's op, host ms per call of each, and their results against each other; then a
 profile of one training step of ``plain_sp`` and ``overlap_sp`` (and without SP): GPU time
-by kind of kernel and the top kernels.
+by kind of kernel and the top kernels; then the bytes a training step's collectives move per
+rank (sequence parallel), the time they take alone and the GB/s that is, the host-copy bound
+measured in the same run (pinned copies, every rank at once), and the share of the
+collectives' time each profiled mode hides (``_bytes``; with ``NCCL_P2P_DISABLE=1`` plain's
+go through NCCL's host-memory transport and the library's through its host road).
 
     python tools/model_bench.py                    # no GPU (or --cpu): 2 CPU ranks, gloo,
                                                    # Triton's interpreter, small sizes
@@ -642,6 +646,66 @@ def _timeline(events: list[dict], steps: int) -> dict:
                 gaps=[(g / 1e3, *around(t0, t1)) for g, t0, t1 in gaps])  # fmt: skip
 
 
+def moved_bytes(collective: str, M: int, width: int, R: int, itemsize: int) -> int:
+    """Bytes one rank sends (and as many it receives) in a ring-style collective of an
+    ``[M, width]`` tensor (the all-gather's result, the reduce-scatter's and all-reduce's
+    input): (R - 1) / R of it, twice for the all-reduce."""
+    return (2 if collective == "all_reduce" else 1) * (R - 1) * M * width * itemsize // R
+
+
+def _copy_bound(dev, mb: int = 64, iters: int = 10) -> dict:
+    """GB/s of pinned host <-> device copies with every rank copying at once (the ranks meet
+    at a barrier first): device to host alone, and each way with both directions at once
+    (what a collective through host memory can reach at best)."""
+    host = torch.empty(2, mb << 20, dtype=torch.uint8, pin_memory=True)
+    gpu = torch.empty(2, mb << 20, dtype=torch.uint8, device=dev)
+    down, up = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
+
+    def timed(streams) -> float:  # ms per copy, the slowest rank's
+        for s in streams:
+            s.wait_stream(torch.cuda.current_stream(dev))
+        torch.cuda.synchronize(dev)
+        dist.barrier()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for s in streams:
+            s.wait_event(start)
+            with torch.cuda.stream(s):
+                for _ in range(iters):
+                    if s is down:
+                        host[0].copy_(gpu[0], non_blocking=True)
+                    else:
+                        gpu[1].copy_(host[1], non_blocking=True)
+            torch.cuda.current_stream(dev).wait_stream(s)
+        end.record()
+        end.synchronize()
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, start.elapsed_time(end) / iters)
+        return max(every)
+
+    gbps = lambda ms: (mb << 20) / ms / 1e6  # noqa: E731
+    return dict(one_way_gbps=gbps(timed([down])), each_way_both_gbps=gbps(timed([down, up])))
+
+
+def _bytes(args, ops: list[dict], profiles: dict, bound: dict | None, itemsize: int) -> dict:
+    """Per training step and rank, sequence parallel: the bytes the layers' collectives send
+    (and receive), the time they take alone (the ops' ``comm``, run one at a time) and the
+    GB/s that is, against the host-copy ``bound``; per profiled mode, the transfer time left
+    exposed and the share of the collectives' time hidden."""
+    R, sp = dist.get_world_size(), [o for o in ops if "no SP" not in o["op"]]
+    width = lambda o: o["K"] if o["collective"] == "all_gather" else o["N"]  # noqa: E731
+    sent = args.layers * sum(moved_bytes(o["collective"], o["M"], width(o), R, itemsize)
+                             for o in sp)  # fmt: skip
+    alone = args.layers * sum(o["comm"] for o in sp)
+    out = dict(bytes_per_rank=sent, collectives_alone_ms=alone,
+               gbps=sent / alone / 1e6 if alone else None, host_copy_bound=bound)  # fmt: skip
+    for mode, prof in profiles.items():
+        if mode in SP and "exposed_comm_ms" in prof:
+            out[f"{mode}_exposed_ms"] = prof["exposed_comm_ms"]
+            out[f"{mode}_hidden_share"] = 1 - prof["exposed_comm_ms"] / alone if alone else None
+    return out
+
+
 def _breakdown(args, dev, dtype) -> dict:
     """Every collective op of a layer, plain against the library's (``_layer_ops``); on GPUs,
     the kernels of a training step per mode (fused layout)."""
@@ -674,7 +738,9 @@ def _breakdown(args, dev, dtype) -> dict:
             trace = f"{args.out}.{mode}.trace.json.gz" if dist.get_rank() == 0 else None
             profiles[mode] = _profile(build(mode, ref, None), xs, gs, trace)
             torch.cuda.empty_cache()
-    return dict(ops=ops, profiles=profiles)
+    bound = _copy_bound(dev) if dev.type == "cuda" else None
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    return dict(ops=ops, profiles=profiles, bytes=_bytes(args, ops, profiles, bound, itemsize))
 
 
 def _report(args, dev, R, timing_meaningful, rows, errors, tol, skipped, failed, breakdown):
@@ -710,6 +776,22 @@ def _report(args, dev, R, timing_meaningful, rows, errors, tol, skipped, failed,
             )
         saved = sum(o["saved"] for o in breakdown["ops"] if "no SP" not in o["op"])
         print(f"\nthe sequence-parallel ops' savings alone add up to {saved:.3f} ms per layer")
+        b = breakdown["bytes"]
+        gb, alone = b["bytes_per_rank"] / 1e9, b["collectives_alone_ms"]
+        rate = b["gbps"] or 0
+        print(
+            f"a training step's collectives (sequence parallel) send {gb:.3f} GB per rank "
+            f"and receive as much; alone they take {alone:.2f} ms: {rate:.1f} GB/s"
+        )
+        if b["host_copy_bound"]:
+            h = b["host_copy_bound"]
+            print(f"host-copy bound, every rank at once: {h['one_way_gbps']:.1f} GB/s one way, "
+                  f"{h['each_way_both_gbps']:.1f} GB/s each way both at once")  # fmt: skip
+        for mode in ("plain_sp", "overlap_sp"):
+            if f"{mode}_exposed_ms" in b:
+                share = b[f"{mode}_hidden_share"]
+                print(f"{mode}: transfers alone on the GPU {b[f'{mode}_exposed_ms']:.2f} ms per "
+                      f"step: {100 * share:.0f}% of the collectives' time hidden")  # fmt: skip
         for mode, prof in breakdown["profiles"].items():
             print(f"\n{mode}: per training step {prof['wall_ms']:.2f} ms on the GPU: compute "
                   f"{prof['compute_ms']:.2f}, transfers alone {prof['exposed_comm_ms']:.2f}, "
