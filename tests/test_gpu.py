@@ -18,6 +18,7 @@ from _dist import (
     count_collectives,
     fault_scenarios,
     mismatch,
+    on_subgroups,
     spawn,
 )
 
@@ -207,6 +208,53 @@ def test_four_gpus(p2p, monkeypatch):
         monkeypatch.setenv("NCCL_P2P_DISABLE", "1")
     want = "ce" if p2p == "nvlink" else "torch"
     spawn(_four_ranks, 4, random.randrange(1 << 30), want, backend="nccl")
+
+
+_TP_SIZES = (2048, 4096, 4096)  # M, K, N of _tp_inside_dp's forward calls
+
+
+def _tp_inside_dp(rank, R, seed, backend, group):
+    """Two tensor-parallel groups of 2 inside 4 ranks (``_dist.SUBGROUPS``: group ranks differ
+    from the global ones), both at once: every collective forward (``backend``), forward and
+    backward, and the all-gather with a list of two weights, against float64."""
+    import torch.distributed as dist
+
+    import overlap
+
+    dev = f"cuda:{dist.get_rank()}" if torch.cuda.is_available() else "cpu"  # (a CPU dry run)
+    m, k, n = _TP_SIZES
+    failures = []
+    for i, coll in enumerate(COLLECTIVES):
+        msg = check_case(rank, R, dev, coll, torch.bfloat16, (m, k, n), seed + i, chunks=4,
+                         backend=backend, group=group)  # fmt: skip
+        failures += [f"{coll}: {msg}"] if msg else []
+        case = (coll, torch.bfloat16, (2, m // 2, k // 2, n // 2), "sum")
+        msg = check_grad_case(rank, R, dev, case, seed + 10 + i, chunks=2, group=group)
+        failures += [f"{coll} backward: {msg}"] if msg else []
+    g = torch.Generator().manual_seed(seed + 99)
+    shards = [torch.randn(m // 2, k // 2, generator=g) for _ in range(R)]
+    w = torch.randn(k // 2, 3 * n // 4, generator=g) / (k // 2) ** 0.5
+    ws = [w[:, : n // 4].to(dev, torch.bfloat16), w[:, n // 4 :].to(dev, torch.bfloat16)]
+    got = overlap.all_gather_matmul(shards[rank].to(dev, torch.bfloat16), ws, group=group,
+                                    backend=backend)  # fmt: skip
+    ref = torch.cat(shards).double() @ w.double()
+    for part, want in zip(got, (ref[:, : n // 4], ref[:, n // 4 :]), strict=True):
+        why = mismatch(part, want.to(dev), TOL[torch.bfloat16])
+        failures += [f"all_gather_matmul: {why}"] if why else []
+    return failures
+
+
+@pytest.mark.parametrize("p2p", ["nvlink", "no_p2p"])
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_four_gpus_tp_inside_dp(backend, p2p, monkeypatch):
+    """Issue 39: TP groups inside TP x DP on 4 GPUs, the copy engines' two roads (``auto``)
+    and NCCL per chunk (skipped with fewer GPUs)."""
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 4:
+        pytest.skip("needs 4 CUDA GPUs")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    if p2p == "no_p2p":
+        monkeypatch.setenv("NCCL_P2P_DISABLE", "1")
+    spawn(on_subgroups, 4, _tp_inside_dp, random.randrange(1 << 30), backend, backend="nccl")
 
 
 @pytest.mark.parametrize("wait", ["spin", "stream_wait"])
