@@ -172,9 +172,10 @@ def test_all_gather_protocol(kind, R, m, chunks, ahead, monkeypatch):
 
 @pytest.mark.parametrize("kind", ["peer", "host"])
 def test_abort_sets_every_flag(kind, monkeypatch):
-    """``fail`` marks the transport and ``abort`` sets every flag this rank waits on (1,024 of them on the peer road, 2,048
-    on the host road: more than one ``cuStreamBatchMemOp`` takes, which the fake driver
-    refuses as the driver does) with stream memory writes on a side stream."""
+    """``fail`` marks the transport and ``abort`` sets every flag this rank waits on (1,024
+    of them on the peer road, 2,048 on the host road: more than one ``cuStreamBatchMemOp``
+    takes, which the fake driver refuses as the driver does) with stream memory writes on a
+    side stream."""
     sim, kernels, _ = install(monkeypatch)
     monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: Stream(sim, "side0"))
     t = _transports(kind, 2, sim)[0]
