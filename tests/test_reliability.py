@@ -30,6 +30,42 @@ def test_faults_raise_instead_of_hanging(scenario):
     spawn(fault_scenarios, 2, scenario, "cpu")
 
 
+def _growth_with_different_needs(rank, R):
+    """Validation off, ranks whose calls need different buffer sizes: the copy engines'
+    buffer growth (a collective that runs anyway) raises ``RankMismatchError`` on every rank,
+    before anything is mapped (the host road's shared file removed); equal needs pass."""
+    import glob
+    import tempfile
+
+    from overlap.comm.host import HostTransport
+    from overlap.comm.peer import PeerTransport
+    from overlap.comm.transport import same_need
+
+    failures = []
+    files = lambda: set(glob.glob("/dev/shm/overlap-*") +  # noqa: E731
+                        glob.glob(tempfile.gettempdir() + "/overlap-*"))  # fmt: skip
+    before = files()
+    for cls in (PeerTransport, HostTransport):
+        t = object.__new__(cls)
+        t.group, t.device, t.rank, t.size = None, torch.device("cpu"), rank, R
+        t.buf = t.mapping = None
+        try:
+            t._ensure(4096 * (1 + rank))
+            failures.append(f"{cls.__name__}: no error although the ranks' needs differ")
+        except overlap.RankMismatchError as e:
+            if "[4096, 8192]" not in str(e) or "validate=True" not in str(e):
+                failures.append(f"{cls.__name__}: the error does not say what differs: {e}")
+    if same_need(None, 4096, rank) != list(range(R)):
+        failures.append("equal needs: not every rank's payload came back")
+    if rank == 0 and files() - before:
+        failures.append(f"the host road left its file: {files() - before}")
+    return failures
+
+
+def test_ranks_needing_different_buffers_raise():
+    spawn(_growth_with_different_needs, 2)
+
+
 def _specials(rank, R, seed):
     failures = []
     for j, coll in enumerate(("all_reduce", "reduce_scatter", "all_to_all")):

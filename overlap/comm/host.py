@@ -32,10 +32,11 @@ import torch
 import torch.distributed as dist
 
 from ..contract import FLAGS_BYTES, kernel_flags_start
+from ..guard import RankMismatchError
 from ..plan import Plan
 from ..signal.wait import StreamOps, _driver, check
 from .peer import PeerTransport, need_bytes, receive_slots, slot_bytes
-from .transport import kept
+from .transport import kept, same_need
 
 _DEVICEMAP_PORTABLE = 0x02 | 0x01  # CU_MEMHOSTREGISTER_DEVICEMAP | _PORTABLE
 
@@ -73,8 +74,6 @@ class HostTransport(PeerTransport):
         """A shared host buffer with ``nbytes`` of slots per rank (a collective when it grows)."""
         if self.mapping is not None and self.region >= FLAGS_BYTES + nbytes:
             return
-        torch.cuda.synchronize(self.device)  # nothing of ours uses the old buffers any more
-        drv = _driver()
         region = -(-(FLAGS_BYTES + nbytes) // mmap.PAGESIZE) * mmap.PAGESIZE
         size = region * self.size
         path = [None]
@@ -85,8 +84,12 @@ class HostTransport(PeerTransport):
             path[0] = os.path.join(folder, f"overlap-{uuid.uuid4().hex}")
             with open(path[0], "wb") as f:
                 f.truncate(size)  # zero-filled: no flag set
-        src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
-        dist.broadcast_object_list(path, src=src, group=self.group)
+        try:  # rank 0's path; every rank's need (ranks that disagree raise)
+            path = same_need(self.group, nbytes, path[0])[:1]
+        except RankMismatchError:
+            if self.rank == 0:
+                os.unlink(path[0])
+            raise
         fd = os.open(path[0], os.O_RDWR)
         try:
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
@@ -94,6 +97,7 @@ class HostTransport(PeerTransport):
             os.close(fd)
         view = ctypes.c_char.from_buffer(mm)
         host = ctypes.addressof(view)
+        drv = _driver()
         (err,) = drv.cuMemHostRegister(host, size, _DEVICEMAP_PORTABLE)
         check(err, "cuMemHostRegister")
         err, dev = drv.cuMemHostGetDevicePointer(host, 0)
@@ -101,6 +105,7 @@ class HostTransport(PeerTransport):
         dist.barrier(group=self.group)  # every rank has mapped the file
         if self.rank == 0:
             os.unlink(path[0])  # the mappings keep the memory
+        torch.cuda.synchronize(self.device)  # nothing of ours uses the old buffers any more
         self._release()
         self.mapping, self.region, self.base = (mm, view, host, size), region, int(dev)
         self.generation += 1

@@ -69,7 +69,7 @@ import torch.distributed as dist
 from ..contract import FLAGS_BYTES, SET, Epilogue, FlagLayout, band_launched, kernel_flags_start
 from ..plan import Plan
 from ..signal.wait import StreamOps, method
-from .transport import Transport, kept
+from .transport import Transport, kept, same_need
 
 _ALIGN = 2 << 20
 _layout = functools.lru_cache(maxsize=64)(FlagLayout)  # made once per (R, b): host time
@@ -147,6 +147,7 @@ class PeerTransport(Transport):
             return
         from torch.distributed import _symmetric_memory as symm_mem
 
+        same_need(self.group, nbytes)  # (ranks that disagree raise here, not in the mapping)
         if self.buf is not None:
             # No work of ours uses the old buffer any more, and the peers' pushes into it ended
             # before the kernel or the copies that waited for their flags.

@@ -37,8 +37,10 @@ import threading
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 
 from ..contract import Epilogue
+from ..guard import RankMismatchError
 from ..plan import Plan
 
 
@@ -66,6 +68,22 @@ def kept(device: torch.device, make: Callable[[], torch.Tensor]) -> torch.Tensor
     if isinstance(box[0], BaseException):
         raise box[0]
     return box[0]
+
+
+def same_need(group: dist.ProcessGroup | None, nbytes: int, payload=None) -> list:
+    """Every rank's ``payload``, from the collective a transport makes anyway when its buffers
+    grow; ``nbytes`` (the call's need) travels with it. Ranks whose needs differ called with
+    different sizes (validation off checks nothing else): every rank raises
+    ``RankMismatchError`` instead of mapping buffers of different sizes."""
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, (nbytes, payload), group=group)
+    needs = [n for n, _ in everyone]
+    if len(set(needs)) > 1:
+        raise RankMismatchError(
+            f"the ranks' calls need buffers of different sizes ({needs} bytes by rank): they "
+            "called with different sizes. overlap.configure(validate=True) names the call"
+        )
+    return [p for _, p in everyone]
 
 
 class Transport:
