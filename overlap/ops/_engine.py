@@ -234,7 +234,8 @@ def _watch(ctx: Context, cls, p: Plan | GatherPlan, x: torch.Tensor, capturing: 
 def _issued(t: Transport, ctx: Context, p: Plan | GatherPlan) -> None:
     """Validation off: the call of plan ``p`` just issued through ``t`` is watched until it
     is done, where ``t`` declares ``watched`` (``guard.Watchdog``; validation mode's
-    ``Watch`` waits for every call itself)."""
+    ``Watch`` waits for every call itself). The eager paths check ``cls.watched`` first: the
+    transport's lookup is host time a call through NCCL need not pay."""
     if t.watched:
         guard.watchdog.issued(t, ctx.caller, p)
 
@@ -274,7 +275,7 @@ def run_after(x, w, name, group, op, out, backend, chunks, label: str) -> torch.
             if x2.data_ptr() != x.data_ptr():  # (a copy made x 2-D: nothing to record)
                 key = None
             _record.recorded(call, ctx, cls, capturing=cap, key=key, moved=(x, out))
-            if not (cap or validating):
+            if cls.watched and not (cap or validating):
                 _issued(ctx.transport(cls), ctx, p)
     return out
 
@@ -407,7 +408,7 @@ def run_before(x, w, group, out, backend, chunks, keep: bool):
                 key = None
             call = functools.partial(_gathered, x2, w, out, full, p, ctx, cls)
             _record.recorded(call, ctx, cls, capturing=cap, key=key)
-            if not (cap or validating):
+            if cls.watched and not (cap or validating):
                 _issued(ctx.transport(cls), ctx, p)
     return out, full
 
