@@ -282,6 +282,10 @@ def fault_scenarios(rank: int, R: int, scenario: str, device: str) -> list[str]:
       timeout; the group's next call raises ``RuntimeError`` at once.
     - ``stuck_ce_off``: the same when rank 1 does not die but stops before its fourth call
       (three calls warm), as in the trial of issue 39.
+    - ``stuck_nccl_off``, ``killed_mid_call_nccl_off``, ``killed_mid_split_nccl_off``:
+      validation off, NCCL per chunk (``backend="torch"``; an uneven exchange takes it on every
+      backend but CuPy's), group timeout 8 s: torch's own watchdog ends rank 0's process (by
+      default it tears the process down); rank 0 reaching its end is the failure.
     """
     import time
 
@@ -404,13 +408,15 @@ fault_scenarios.no_teardown = True
 
 
 def _watchdog_scenario(rank: int, scenario: str, dev: str, x, w) -> list[str]:
-    """``fault_scenarios``' validation-off copy-engine cases (its docstring)."""
+    """``fault_scenarios``' validation-off cases (its docstring)."""
     import time
 
     from overlap.comm import PeerTransport
 
     overlap.configure(validate=False)
     g = dist.new_group([0, 1], timeout=timedelta(seconds=8))  # the watchdog's limit
+    if scenario.endswith("_nccl_off"):
+        return _nccl_off_scenario(rank, scenario, dev, x, w, g)
     gather = "gather" in scenario
     failures: list[str] = []
 
@@ -463,6 +469,42 @@ def _watchdog_scenario(rank: int, scenario: str, dev: str, x, w) -> list[str]:
         if "aborted" not in str(e) or time.monotonic() - t0 > 1:
             failures.append(f"the call after the timeout: {e}")
     return failures
+
+
+def _nccl_off_scenario(rank: int, scenario: str, dev: str, x, w, g) -> list[str]:
+    """``fault_scenarios``' validation-off NCCL cases: rank 0 must not live to the end."""
+    import time
+
+    split = "split" in scenario
+    splits = [100, 150] if rank == 0 else [150, 100]  # rank 0 sends 100 rows to itself ...
+
+    def call():
+        if split:
+            kw = dict(input_split_sizes=splits, output_split_sizes=splits, chunks=4, group=g)
+            return overlap.matmul_all_to_all(x[:250], w, **kw)
+        return overlap.matmul_collective(x, w, chunks=4, backend="torch", group=g)
+
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize(dev)
+    if rank == 1 and scenario == "stuck_nccl_off":
+        time.sleep(100)  # stopped, not dead (the test ends it once rank 0 has ended)
+        os._exit(0)
+    elif rank == 1:
+        name = "all_to_all_single" if split else "all_reduce"
+        orig, calls = getattr(dist, name), [0]
+
+        def dying(*a, **k):
+            calls[0] += 1
+            if calls[0] == 2:
+                os._exit(0)
+            return orig(*a, **k)
+
+        setattr(dist, name, dying)
+    call()
+    torch.cuda.synchronize(dev)  # rank 0: held until torch's watchdog ends the process
+    time.sleep(40)
+    return [f"rank {rank} still ran 40 s after its peer died or stopped (group timeout 8 s)"]
 
 
 # the names overlap.collectives calls: torch 2.13's, or the GPU image's 2.11 ones

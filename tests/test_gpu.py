@@ -361,6 +361,23 @@ def test_watchdog_copy_engines(scenario, p2p, monkeypatch):
     _on_two_gpus(monkeypatch, fault_scenarios, scenario, "cuda", **env)
 
 
+@pytest.mark.parametrize("scenario", ["stuck_nccl_off", "killed_mid_call_nccl_off",
+                                      "killed_mid_split_nccl_off"])  # fmt: skip
+def test_nccl_validation_off_ends_the_survivor(scenario, monkeypatch):
+    """Validation off, NCCL per chunk (and every uneven exchange but CuPy's): a peer dead or
+    stopped ends the survivor's process through torch's own watchdog within the group's
+    timeout (its default error handling tears the process down, as for plain torch code); no
+    hang (``_dist._nccl_off_scenario``)."""
+    import time
+
+    monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
+    monkeypatch.delenv("NCCL_ASYNC_ERROR_HANDLING", raising=False)
+    t0 = time.monotonic()
+    with pytest.raises(Exception, match="process 0 terminated with"):
+        _on_two_gpus(monkeypatch, fault_scenarios, scenario, "cuda")
+    assert time.monotonic() - t0 < 100, f"rank 0 ended only after {time.monotonic() - t0:.0f} s"
+
+
 def _reference(coll: str, x: torch.Tensor, w: torch.Tensor, R: int) -> torch.Tensor:
     """float64 ``collective(x @ w)`` through torch.distributed."""
     import torch.distributed as dist
