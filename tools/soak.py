@@ -134,6 +134,7 @@ def _one_call(rng, gen, dev, R, keep: dict):
     if rng.random() < 0.1:
         return _bags_call(rng, gen, dev, R)
     M, K, N = rng.choice(SHAPES)
+    M -= M % R  # (the collectives split M rows among the ranks; every shape is even)
     dtype = rng.choice(DTYPES)
     coll = rng.choice((*overlap.COLLECTIVES, "all_gather"))
     op = rng.choice(["sum", "avg"]) if coll in ("all_reduce", "reduce_scatter") else "sum"
