@@ -78,22 +78,25 @@ def _plain(fn, out: torch.Tensor, *ins) -> None:
 
 
 def _reference(x, w, collective, op, R, splits=None):
+    """``collective(x @ w)`` through torch.distributed, in float64 for float32 inputs (else
+    float32)."""
+    up = torch.float64 if x.dtype == torch.float32 else torch.float32
     if splits is not None:  # an uneven all-to-all
-        prod = x.float() @ w.float()
+        prod = x.to(up) @ w.to(up)
         out = prod.new_empty(sum(splits[1]), prod.shape[1])
         _plain(dist.all_to_all_single, out, prod, list(splits[1]), list(splits[0]))
         return out
     if collective == "all_gather":  # x is this rank's shard
         full = x.new_empty(x.shape[0] * R, x.shape[1])
         _plain(dist.all_gather_into_tensor, full, x)
-        return full.float() @ w.float()
-    prod = x.float() @ w.float()
+        return full.to(up) @ w.to(up)
+    prod = x.to(up) @ w.to(up)
     if op == "avg":
         prod /= R
     if collective == "all_reduce":
         _plain(dist.all_reduce, prod)
         return prod
-    out = torch.empty(prod.shape[0] // R, prod.shape[1], device=x.device)
+    out = prod.new_empty(prod.shape[0] // R, prod.shape[1])
     if collective == "reduce_scatter":
         _plain(dist.reduce_scatter_tensor, out, prod)
     else:
@@ -195,7 +198,7 @@ def _one_call(rng, gen, dev, R, keep: dict):
     ref = _reference(x, w, coll, op, R, splits)
     if ref.numel() == 0:  # an uneven all-to-all may bring this rank no rows
         return dtype, 0.0 if got.numel() == 0 else float("nan"), p, op
-    err = ((got.float() - ref).norm() / ref.norm()).item()
+    err = ((got.to(ref.dtype) - ref).norm() / ref.norm()).item()
     return dtype, err, p, op
 
 
