@@ -706,6 +706,9 @@ def _bytes(args, ops: list[dict], profiles: dict, bound: dict | None, itemsize: 
         if mode in SP and "exposed_comm_ms" in prof:
             out[f"{mode}_exposed_ms"] = prof["exposed_comm_ms"]
             out[f"{mode}_hidden_share"] = 1 - prof["exposed_comm_ms"] / plain if plain else None
+            copies = {k: v for k, v in prof.get("kinds", {}).items() if "Pinned" in k}
+            if copies:  # the host road's copies: the step's bytes over each direction's busy time
+                out[f"{mode}_host_copy_gbps"] = {k: sent / ms / 1e6 for k, ms in copies.items()}
     return out
 
 
@@ -794,6 +797,8 @@ def _report(args, dev, R, timing_meaningful, rows, errors, tol, skipped, failed,
             print(f"transfers alone on the GPU per step: plain_sp {b['plain_sp_exposed_ms']:.2f} "
                   f"ms, overlap_sp {b['overlap_sp_exposed_ms']:.2f} ms: "
                   f"{100 * b['overlap_sp_hidden_share']:.0f}% of plain_sp's hidden")  # fmt: skip
+        for kind, gbps in b.get("overlap_sp_host_copy_gbps", {}).items():
+            print(f"overlap_sp's {kind}: {gbps:.1f} GB/s while busy")
         for mode, prof in breakdown["profiles"].items():
             print(f"\n{mode}: per training step {prof['wall_ms']:.2f} ms on the GPU: compute "
                   f"{prof['compute_ms']:.2f}, transfers alone {prof['exposed_comm_ms']:.2f}, "
