@@ -4,8 +4,9 @@ embeddings) and Phi3 (fused projections: ``colwise_gather_output``, ``rowwise_sp
 built from their configs with fresh random fp32 weights, with and without sequence
 parallelism, against the unsharded model in float64 on the same data: logits, and the
 gradient of every parameter (a shard's against its rows or columns of the whole model's);
-Llama with sequence parallelism on subgroups of 4 ranks too. Bad configs and plans raise
-before the model changes; world size 1 is a no-op. Skipped without ``transformers``."""
+Llama with sequence parallelism on subgroups of 4 ranks too, and under
+``torch.compile(fullgraph=True)``. Bad configs and plans raise before the model changes;
+world size 1 is a no-op. Skipped without ``transformers``."""
 
 from __future__ import annotations
 
@@ -62,11 +63,14 @@ def _shard_of(model: nn.Module, name: str, whole: torch.Tensor, rank: int, R: in
     return whole.narrow(dim, rank * n, n)
 
 
-def _family_case(rank: int, R: int, family: str, sp: bool, seed: int, group=None) -> list[str]:
+def _family_case(rank: int, R: int, family: str, sp: bool, seed: int, group=None,
+                 compiled: bool = False) -> list[str]:  # fmt: skip
+    """``compiled``: the parallelized model runs under ``torch.compile(fullgraph=True)``."""
     ref = _tiny(family, seed)
     model = parallelize(copy.deepcopy(ref), group=group, sequence_parallel=sp)
+    run = torch.compile(model, fullgraph=True) if compiled else model
     ref.double()
-    name = f"{family} sequence_parallel={sp} rank={rank}"
+    name = f"{family} sequence_parallel={sp} compiled={compiled} rank={rank}"
     layers = ref.config.num_hidden_layers
     kinds = [type(m) for m in model.modules()]
     counts = (kinds.count(ColumnParallelLinear), kinds.count(RowParallelLinear))
@@ -79,7 +83,7 @@ def _family_case(rank: int, R: int, family: str, sp: bool, seed: int, group=None
     failures = []
     logits_ref = ref(ids).logits
     overlap.stats(reset=True)
-    logits = model(ids).logits
+    logits = run(ids).logits
     why = mismatch(logits.detach(), logits_ref.detach(), TOL)
     failures += [f"{name}: logits: {why}"] if why else []
     (logits_ref * weights.double()).sum().backward()
@@ -117,6 +121,18 @@ def _families(rank: int, R: int, seed: int) -> list[str]:
 
 def test_parallelize_matches_the_unsharded_model():
     spawn(_families, 2, random.randrange(1 << 30))
+
+
+def _compiled(rank: int, R: int, seed: int) -> list[str]:
+    torch._dynamo.config.cache_size_limit = 64
+    return _family_case(rank, R, "llama", True, seed, compiled=True)
+
+
+def test_parallelize_compiles_fullgraph():
+    """A parallelized transformers Llama with sequence parallelism under
+    ``torch.compile(fullgraph=True)`` (inductor; fullgraph raises on a graph break): the same
+    logits, gradients and calls as above."""
+    spawn(_compiled, 2, random.randrange(1 << 30))
 
 
 def _on_subgroup(rank: int, R: int, seed: int, group) -> list[str]:
