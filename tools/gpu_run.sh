@@ -2,7 +2,8 @@
 # Usage: bash tools/gpu_run.sh MODE [MODE...]
 # One device call: environment, then what MODE asks for; logs and JSON under $OUT (default
 # bench_out/gpu). Modes:
-#   suite    the GPU suite, one process per test (a hang costs one test's 150 s), 2+ GPUs
+#   suite    the GPU suite, one process per test (a hang costs one test's 150 s), 2+ GPUs;
+#            with 4+ GPUs the 2-GPU tests run as two pairs at once (run_suite)
 #   one_gpu  what one GPU can run: the launch-memo and host-road tests, the host profile, the
 #            model and exchange benchmarks' correctness checks (two ranks on one GPU)
 #   bench    the benchmark on the bench shapes, with NCCL as it is and with NCCL_P2P_DISABLE=1
@@ -10,8 +11,8 @@
 #   soak1    the same with both ranks on one GPU over gloo (host road; correctness only)
 #   timeline one traced all-reduce and reduce-scatter call (2 GPUs)
 #   four     the example and the benchmark at R = 4 (4 GPUs)
-# The 2-GPU suite does not fit one 600 s call: split it with PYTEST_K (a pytest -k expression)
-# over two calls. TEST_TIMEOUT: seconds per test (150 unless set).
+# The 2-GPU suite does not fit one 600 s call on 2 GPUs: split it with PYTEST_K (a pytest -k
+# expression) over two calls, or run it on 4. TEST_TIMEOUT: seconds per test (150 unless set).
 set -u
 usage() { sed -n '2,/^set -u/{/^#/s/^# \{0,1\}//p}' "$0"; }
 case "${1:-}" in -h | --help) usage; exit 0 ;; "") usage >&2; exit 2 ;; esac
@@ -34,17 +35,39 @@ quiet() { grep -v "^W1\|OMP_NUM_THREADS\|^\*\*\*"; }
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 big=4096x8192x4096,8192x8192x14336,16384x8192x4096,8192x4096x4096
-run_suite() {  # [pytest -k expression]
-  local ids
-  ids=$("$PY" -m pytest -m gpu tests/test_gpu.py -q -p no:cacheprovider --collect-only ${1:+-k "$1"} 2>/dev/null | grep "::")
-  for id in $ids; do
+run_tests() {  # lane test-id...: one process per test, its output in $OUT/one_test_LANE.log
+  local lane=$1; shift
+  for id in "$@"; do
     local t0=$SECONDS
-    if timeout "${TEST_TIMEOUT:-150}" "$PY" -m pytest -m gpu "$id" -q -p no:cacheprovider > "$OUT/one_test.log" 2>&1; then
+    if timeout "${TEST_TIMEOUT:-150}" "$PY" -m pytest -m gpu "$id" -q -p no:cacheprovider > "$OUT/one_test_$lane.log" 2>&1; then
       echo "PASS $((SECONDS - t0))s $id"
     else
-      echo "FAIL(rc=$?) $((SECONDS - t0))s $id"; tail -25 "$OUT/one_test.log"
+      echo "FAIL(rc=$?) $((SECONDS - t0))s $id"; tail -25 "$OUT/one_test_$lane.log"
     fi
-  done 2>&1 | tee -a "$OUT/gpu_suite.log"
+  done 2>&1
+}
+run_suite() {  # [pytest -k expression]. With 4 GPUs or more: the 4-GPU tests first, then the
+  # others as two lanes at once, GPUs 0-1 and 2-3 (about half the time; tests run slower
+  # beside each other: give the longest TEST_TIMEOUT=300)
+  local ids=() four=() i=0
+  mapfile -t ids < <("$PY" -m pytest -m gpu tests/test_gpu.py -q -p no:cacheprovider --collect-only ${1:+-k "$1"} 2>/dev/null | grep "::")
+  if [ "$(nvidia-smi -L | wc -l)" -lt 4 ]; then
+    run_tests all "${ids[@]}" | tee -a "$OUT/gpu_suite.log"
+    return
+  fi
+  local a=() b=()
+  for id in "${ids[@]}"; do
+    case $id in
+      *four_gpus*) four+=("$id") ;;
+      *) if ((i++ % 2)); then b+=("$id"); else a+=("$id"); fi ;;
+    esac
+  done
+  run_tests four "${four[@]}" | tee -a "$OUT/gpu_suite.log"
+  CUDA_VISIBLE_DEVICES=0,1 run_tests a "${a[@]}" > "$OUT/suite_a.log" &
+  CUDA_VISIBLE_DEVICES=2,3 run_tests b "${b[@]}" > "$OUT/suite_b.log"
+  wait
+  cat "$OUT/suite_a.log" "$OUT/suite_b.log" | tee -a "$OUT/gpu_suite.log"
+  rm -f "$OUT/suite_a.log" "$OUT/suite_b.log"
 }
 run_bench() {  # name extra-args...
   local name=$1; shift
