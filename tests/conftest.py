@@ -6,7 +6,7 @@
   (test_distributed.py);
 - GPU, marker ``gpu``, deselected by default: NCCL on CUDA devices (test_gpu.py).
 
-``pytest -m quick`` is a first check of under a minute on 2 cores: the tests named in
+``pytest -m quick`` is a first check of about a minute on 2 cores: the tests named in
 ``QUICK`` below, one or a few of each kind (plans, errors, the kernel, each family of ops on
 gloo ranks, the example), marked here so that no test file carries the list.
 
