@@ -193,19 +193,22 @@ def test_kernel_report_no_spills_no_serialized_wgmma():
 
 
 def _soak_cases(rank: int, R: int) -> list[str]:
-    """Sixteen calls of the soak's schedule on CPU ranks (tiny fp32 shapes, the interpreter):
-    each repeat of a case draws the same choices, reuses the case's weight tensor (the same
-    signature, so on a GPU the copy engines record, then replay) and is right."""
+    """32 calls of the soak's schedule on CPU ranks (tiny fp32 shapes, the interpreter; seed
+    105 draws every kind of call at 2 and 4 ranks: the four collectives, the uneven
+    all-to-all, the MoE combine and dispatch, the embedding bags): each repeat of a case draws
+    the same choices, reuses the case's weight tensor (the same signature, so on a GPU the
+    copy engines record, then replay) and is right against the soak's own reference."""
     sys.path.insert(0, str(ROOT / "tools"))
     import soak
 
     soak.SHAPES, soak.DTYPES = [(62, 32, 48), (30, 20, 40)], [torch.float32]  # (M even, not 4k)
-    rng, gen = random.Random(3), torch.Generator().manual_seed(rank)
-    schedule, failures, calls = soak.cases(rng), [], []
-    for i in range(16):
+    rng, gen = random.Random(105), torch.Generator().manual_seed(rank)
+    schedule, failures, calls, kinds = soak.cases(rng), [], [], set()
+    for i in range(32):
         keep = next(schedule)
         dtype, err, p, op = soak._one_call(rng, gen, torch.device("cpu"), R, keep)
         calls.append((keep, p.describe(), op, keep.get("w")))
+        kinds.add(p.collective)
         if not err < soak.TOL[dtype]:
             failures.append(f"call {i}: {p.describe()}: error {err}")
     repeated = 0
@@ -215,8 +218,10 @@ def _soak_cases(rank: int, R: int) -> list[str]:
             if then[:2] != first[:2] or then[2] is not first[2]:
                 failures.append(f"a repeat differs from its case: {first[:2]} -> {then[:2]}, "
                                 f"the same weight: {then[2] is first[2]}")  # fmt: skip
+    if len(kinds) < 8:
+        failures.append(f"not every kind of call was drawn: {sorted(kinds)}")
     if repeated < 4:
-        failures.append(f"{repeated} repeats in 16 calls")
+        failures.append(f"{repeated} repeats in 32 calls")
     return failures
 
 

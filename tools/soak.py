@@ -165,12 +165,13 @@ def _one_call(rng, gen, dev, R, keep: dict):
             output_split_sizes=splits[1], chunks=chunks,
         )  # fmt: skip
         # the receiver's experts: its own w applies to the rows it receives
-        recv = x.new_empty(sum(splits[1]), K, dtype=torch.float32)
-        _plain(dist.all_to_all_single, recv, x.float(), list(splits[1]), list(splits[0]))
-        ref = (recv @ w.float()) * (1 - 2 * ids[:, None]).float()
+        up = torch.float64 if dtype == torch.float32 else torch.float32  # (as _reference)
+        recv = x.new_empty(sum(splits[1]), K, dtype=up)
+        _plain(dist.all_to_all_single, recv, x.to(up), list(splits[1]), list(splits[0]))
+        ref = (recv @ w.to(up)) * (1 - 2 * ids[:, None]).to(up)
         if ref.numel() == 0:
             return dtype, 0.0 if got.numel() == 0 else float("nan"), p, op
-        return dtype, ((got.float() - ref).norm() / ref.norm()).item(), p, op
+        return dtype, ((got.to(up) - ref).norm() / ref.norm()).item(), p, op
     if moe < 0.5:  # the MoE combine: two experts, w and -w
         p = make_split_plan(*map(tuple, splits), N, K, chunks=chunks, transport="torch")
         p = dataclasses.replace(p, collective="grouped all_to_all")  # its own key below
