@@ -346,17 +346,8 @@ def fault_scenarios(rank: int, R: int, scenario: str, device: str) -> list[str]:
                              "killed_mid_bags")  # fmt: skip
         overlap.configure(validate=validate, timeout=5)
         if rank == 1 and backend == "torch":
-            calls = [0]
             name = _ALL_GATHER if gather else "all_to_all_single" if split else "all_reduce"
-            orig = getattr(dist, name)
-
-            def dying(*a, **k):
-                calls[0] += 1
-                if calls[0] == 2:
-                    os._exit(0)  # like a crash: no teardown, no message
-                return orig(*a, **k)
-
-            setattr(dist, name, dying)
+            _die_in_second(name)
         elif rank == 1:  # the copy-engine transport: die before pushing the second chunk
             from overlap.comm import PeerTransport
 
@@ -405,6 +396,20 @@ def fault_scenarios(rank: int, R: int, scenario: str, device: str) -> list[str]:
 
 
 fault_scenarios.no_teardown = True
+
+
+def _die_in_second(name: str) -> None:
+    """This process exits inside its second call of ``torch.distributed``'s ``name`` from now
+    on (like a crash: no teardown, no message)."""
+    orig, calls = getattr(dist, name), [0]
+
+    def dying(*a, **k):
+        calls[0] += 1
+        if calls[0] == 2:
+            os._exit(0)
+        return orig(*a, **k)
+
+    setattr(dist, name, dying)
 
 
 def _watchdog_scenario(rank: int, scenario: str, dev: str, x, w) -> list[str]:
@@ -491,16 +496,7 @@ def _nccl_off_scenario(rank: int, scenario: str, dev: str, x, w, g) -> list[str]
         time.sleep(100)  # stopped, not dead (the test ends it once rank 0 has ended)
         os._exit(0)
     elif rank == 1:
-        name = "all_to_all_single" if split else "all_reduce"
-        orig, calls = getattr(dist, name), [0]
-
-        def dying(*a, **k):
-            calls[0] += 1
-            if calls[0] == 2:
-                os._exit(0)
-            return orig(*a, **k)
-
-        setattr(dist, name, dying)
+        _die_in_second("all_to_all_single" if split else "all_reduce")
     call()
     torch.cuda.synchronize(dev)  # rank 0: held until torch's watchdog ends the process
     time.sleep(40)

@@ -77,10 +77,14 @@ def _plain(fn, out: torch.Tensor, *ins) -> None:
     out.copy_(o)
 
 
+def _up(dtype: torch.dtype) -> torch.dtype:
+    """The references' dtype: float64 for float32 inputs, else float32."""
+    return torch.float64 if dtype == torch.float32 else torch.float32
+
+
 def _reference(x, w, collective, op, R, splits=None):
-    """``collective(x @ w)`` through torch.distributed, in float64 for float32 inputs (else
-    float32)."""
-    up = torch.float64 if x.dtype == torch.float32 else torch.float32
+    """``collective(x @ w)`` through torch.distributed, in ``_up(x.dtype)``."""
+    up = _up(x.dtype)
     if splits is not None:  # an uneven all-to-all
         prod = x.to(up) @ w.to(up)
         out = prod.new_empty(sum(splits[1]), prod.shape[1])
@@ -165,7 +169,7 @@ def _one_call(rng, gen, dev, R, keep: dict):
             output_split_sizes=splits[1], chunks=chunks,
         )  # fmt: skip
         # the receiver's experts: its own w applies to the rows it receives
-        up = torch.float64 if dtype == torch.float32 else torch.float32  # (as _reference)
+        up = _up(dtype)
         recv = x.new_empty(sum(splits[1]), K, dtype=up)
         _plain(dist.all_to_all_single, recv, x.to(up), list(splits[1]), list(splits[0]))
         ref = (recv @ w.to(up)) * (1 - 2 * ids[:, None]).to(up)
@@ -251,30 +255,31 @@ def _sample(done: int) -> dict:
     }
 
 
+def _moved(samples: list[dict], what: str) -> dict:
+    """How ``what`` moved from the first of ``samples`` to the last: the change, the range,
+    bytes per call."""
+    values = [m[what] for m in samples]
+    calls = samples[-1]["call"] - samples[0]["call"]
+    return {"change": values[-1] - values[0], "range": max(values) - min(values),
+            "per_call": round((values[-1] - values[0]) / max(calls, 1), 1)}  # fmt: skip
+
+
 def _drift_rounds(rounds: list[dict], what: str) -> dict:
-    """How ``what`` moved from the start of the third round (``--cycle``: the first compiles
-    and sizes, the second records) to the start of the last: the change, the range, bytes per
-    call."""
+    """``_moved`` from the start of the third round (``--cycle``: the first compiles and
+    sizes, the second records) to the start of the last."""
     if len(rounds) < 4:
         return {}
-    values = [m[what] for m in rounds[2:]]
-    calls = rounds[-1]["call"] - rounds[2]["call"]
-    return {"rounds": len(values) - 1, "calls": calls, "change": values[-1] - values[0],
-            "range": max(values) - min(values),
-            "per_call": round((values[-1] - values[0]) / max(calls, 1), 1)}  # fmt: skip
+    return {"rounds": len(rounds) - 3, "calls": rounds[-1]["call"] - rounds[2]["call"],
+            **_moved(rounds[2:], what)}  # fmt: skip
 
 
 def _drift(memory: list[dict], what: str) -> dict:
-    """How ``what`` moved over the second half of the samples (after the warm-up: kernels
-    compiled, buffers sized, caches full): the change, the range, bytes per call."""
+    """``_moved`` over the second half of the samples (after the warm-up: kernels compiled,
+    buffers sized, caches full)."""
     half = memory[len(memory) // 2 :]
     if len(half) < 2:
         return {}
-    values = [m[what] for m in half]
-    calls = half[-1]["call"] - half[0]["call"]
-    return {"from_call": half[0]["call"], "change": values[-1] - values[0],
-            "range": max(values) - min(values),
-            "per_call": round((values[-1] - values[0]) / max(calls, 1), 1)}  # fmt: skip
+    return {"from_call": half[0]["call"], **_moved(half, what)}
 
 
 def main() -> None:
