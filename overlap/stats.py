@@ -47,7 +47,7 @@ def count(op: str, how: str) -> None:
     if c is None:
         c = _counts[op] = Counter()
     c[how] += 1
-    if how.startswith("plain: ") and (op, how) not in _noticed:
+    if c[how] == 1 and how.startswith("plain: ") and (op, how) not in _noticed:
         _noticed.add((op, how))
         reason = how[len("plain: ") :]
         if reason.startswith(_NOTICED):

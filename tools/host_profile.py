@@ -4,9 +4,11 @@
     torchrun --nproc-per-node=2 tools/host_profile.py --shape 4096x8192x4096 \
         --collective reduce_scatter --backend torch
 
-Rank 0 prints (and writes) the host milliseconds per call of the plain and the overlapped
-path, the overlapped call's when replayed from a CUDA graph (``graph.replay()``), and the
-functions that take the most time, own time first (the overlapped call's raw profile goes to
+Rank 0 prints (and writes) the host milliseconds per call of the plain torch calls, the
+library's call without ``out=`` (as a model makes it: a product under the plain-path line
+takes ``ops._engine.plain_again`` from its second call on) and the overlapped path, the
+overlapped call's when replayed from a CUDA graph (``graph.replay()``), and the functions
+that take the most time, own time first (the overlapped call's raw profile goes to
 OUT.prof). The GPU sleeps between calls so that the host never waits for it and only the
 host's own work is measured: each call alone after a barrier, after other work (a matmul
 and an activation issued just before it, as between a model's layers), the same with the
@@ -120,6 +122,9 @@ def main() -> None:
 
     lines = [f"{args.shape} {args.collective} backend={args.backend} {torch.__version__}"]
     runs = [("plain: x @ w, then the collective", plain)] if not args.one_gpu else []
+    if not (args.one_gpu or gathers):  # as a model calls it (no out=): a plain-path call
+        runs.append(("the library, no out=", lambda: overlap.matmul_collective(
+            x, w, args.collective, backend=args.backend)))  # fmt: skip
     planned = overlap.plan(x, w, args.collective, backend=args.backend)
     described = planned.describe()
 

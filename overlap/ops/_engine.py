@@ -61,7 +61,15 @@ from ..plan import (
 )
 from ..signal import wait_counter
 from . import _record
-from ._checks import capturing, check_operands, check_out, check_splits, num_sms, world
+from ._checks import (
+    capturing,
+    check_operands,
+    check_out,
+    check_splits,
+    needs_grad,
+    num_sms,
+    world,
+)
 
 
 # -- decide (stage 2) ------------------------------------------------------------------------
@@ -247,37 +255,62 @@ def run_after(x, w, name, group, op, out, backend, chunks, label: str) -> torch.
     cap = capturing(x)
     sig = None if cap else _record.signature(name, group, op, backend, chunks, x, w)
     p, ctx, cls, shape = decide(x, w, name, group, chunks, backend, cap, sig)
+    if out is not None:
+        check_out(out, shape, x, w)
+    R, M, N = p.world_size, p.M, p.N
+    scale = 1.0 / R if op == "avg" and R > 1 else None
+    validating = ctx is not None and guard.validating()
+    if validating:
+        _agree(group, p, x.dtype, op)
+    if cls is None:  # the plain path (or world size 1)
+        stats.count(label, how(p))
+        with _watch(ctx, cls, p, x, cap) if validating else contextlib.nullcontext():
+            return plain(x, w, out, p, scale, group, shape)
     if out is None:
         out = torch.empty(shape, dtype=x.dtype, device=x.device)
-    else:
-        check_out(out, shape, x, w)
     key = None
-    if sig is not None and cls is not None and cls.recorded and x.is_cuda:
+    if sig is not None and cls.recorded and x.is_cuda:
         key = (sig, _record.outputs(out))
         replayed = _record.replay(key, _record.bases(x, out))  # a recorded call again
         if replayed is not None:
             stats.count(label, "replayed via " + replayed.name)
             _issued(replayed, ctx, p)
             return out
-    R, M, N = p.world_size, p.M, p.N
     x2 = x if x.dim() == 2 else x.reshape(M, p.K)
     out2 = out if out.dim() == 2 else out.view(M, N)  # (-1: ambiguous when N = 0)
-    scale = 1.0 / R if op == "avg" and R > 1 else None
-    validating = ctx is not None and guard.validating()
-    if validating:
-        _agree(group, p, x.dtype, op)
     stats.count(label, how(p))
     with _watch(ctx, cls, p, x, cap) if validating else contextlib.nullcontext():
-        if p.path != "overlap":
-            plain(x2, w, out2, p, scale, group)
-        else:
-            call = functools.partial(overlapped, x2, w, out2, p, scale, ctx, cls)
-            if x2.data_ptr() != x.data_ptr():  # (a copy made x 2-D: nothing to record)
-                key = None
-            _record.recorded(call, ctx, cls, capturing=cap, key=key, moved=(x, out))
-            if cls.watched and not (cap or validating):
-                _issued(ctx.transport(cls), ctx, p)
+        call = functools.partial(overlapped, x2, w, out2, p, scale, ctx, cls)
+        if x2.data_ptr() != x.data_ptr():  # (a copy made x 2-D: nothing to record)
+            key = None
+        _record.recorded(call, ctx, cls, capturing=cap, key=key, moved=(x, out))
+        if cls.watched and not (cap or validating):
+            _issued(ctx.transport(cls), ctx, p)
     return out
+
+
+def plain_again(x, w, name, group, op, backend, chunks, label: str) -> torch.Tensor | None:
+    """The result of an eager call without ``out`` or autograd whose signature the memo holds
+    with the plain path (a call with the same values passed every check and was decided
+    before): ``x @ w`` and the collective, with nothing else looked at (issue 38: within a
+    few microseconds of torch's own). None where the call must take the full way
+    (``run_after``): anything else, including invalid arguments, whose errors come from the
+    checks there."""
+    if not (isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor)) or \
+            (chunks is not None and type(chunks) is not int) or needs_grad(x, w) or \
+            torch.compiler.is_compiling() or capturing(x):  # fmt: skip
+        return None
+    try:
+        sig = _record.signature(name, group, op, backend, chunks, x, w)
+        known = calls.get(sig) if sig is not None else None
+    except TypeError:  # an unhashable argument: the checks name it
+        return None
+    if known is None or known.cls is not None or known.plan.spec.before:
+        return None  # (an all-gather's signature: all_gather_matmul made it, not this op)
+    p = known.plan
+    stats.count(label, how(p))
+    scale = 1.0 / p.world_size if op == "avg" and p.world_size > 1 else None
+    return plain(x, w, None, p, scale, group, known.shape)
 
 
 def overlapped(
@@ -355,16 +388,26 @@ def produce(x2, w, out2, p: Plan, scale, transport: Transport, counters, caller,
             caller.wait_stream(s)
 
 
-def plain(x2, w, out2, p: Plan, scale: float | None, group) -> None:
-    """The sequential path: matmul, then one collective on the whole product."""
-    if p.spec.replicated or p.world_size == 1:
-        y = torch.matmul(x2, w, out=out2)
-    else:
-        y = x2 @ w  # reduce-scatter and all-to-all cannot run in place
+def plain(x, w, out, p: Plan, scale: float | None, group, shape) -> torch.Tensor:
+    """The sequential path: ``x @ w``, then one torch collective on the whole product, into
+    ``out`` (None: a new tensor of the result's ``shape``); returns the result."""
+    spec, R = p.spec, p.world_size
+    if R > 1 and spec.splits_rows:  # reduce-scatter and all-to-all cannot run in place
+        y = (x if x.dim() == 2 else x.reshape(p.M, p.K)) @ w
+        if scale is not None:
+            y.mul_(scale)
+        if out is None:
+            out = y.new_empty(shape)
+        spec.plain(y, out if out.dim() == 2 else out.view(p.M, p.N), group)
+        return out
+    if R == 1 and spec.scatters and x.dim() != 2:  # (its result is [M, N])
+        x = x.reshape(p.M, p.K)
+    y = torch.matmul(x, w, out=out)
     if scale is not None:
         y.mul_(scale)
-    if p.world_size > 1:
-        p.spec.plain(y, out2, group)
+    if R > 1:  # the all-reduce, in place
+        spec.plain(y, y, group)
+    return y
 
 
 # -- before the matmul -----------------------------------------------------------------------
