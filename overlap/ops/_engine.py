@@ -16,6 +16,11 @@
 7. the consumer (the all-gather's and the dispatch's matmuls, each after its chunk arrived);
 8. the caller stream waits for the communication stream.
 
+A repeated eager call of the matmul + collective family without ``out=`` or autograd whose
+signature the memo holds with the plain path skips stages 1-4 (``plain_again``: the checks
+passed for the same values; validation mode keeps no memo): the host time of a product too
+small to overlap stays near torch's own.
+
 The direction decides 5-7: a collective *after* the matmul (``run_after``: the kernel
 produces, the transport moves) or *before* it (``run_before``: the transport gathers, cuBLAS
 consumes band by band). Every call is counted by path (``overlap.stats``).
