@@ -22,15 +22,14 @@ Modes:
 ``overlap_sp_c``   ``overlap_sp`` under ``torch.compile(fullgraph=True)``
 =================  ============================================================================
 
-The plain path is forced by raising the planner's per-rank GEMM floor
-(``plan.tiles.GEMM_MS_PER_RANK``) for that mode and forgetting the plans and calls decided
-before (``make_plan``'s and ``make_gather_plan``'s caches, the calls' memo); the
-layers and the model are the same objects' kind in every mode. Per mode: ``prefill`` (forward
-under ``no_grad``) and ``train`` (forward + backward of ``(h * g).sum()`` on the last hidden
-state ``h``), median ms, the slowest rank's; speedups over ``plain`` and ``plain_c``; the
-output's and the projections' weight gradients' relative errors against ``plain``'s
-(``plain_c``'s for the compiled modes where it ran; 3e-2 for bf16, 1e-4 for fp32, or the run
-fails).
+The plain path is forced as where ``overlap.tune`` measured it fastest (every call's tuned
+choice "plain"; the calls' memo forgotten between modes); the layers are the same in every
+mode, and each row counts its calls by path (``paths``: overlapped or replayed, and plain).
+Per mode: ``prefill`` (forward under ``no_grad``) and ``train`` (forward + backward of
+``(h * g).sum()`` on the last hidden state ``h``), median ms, the slowest rank's; speedups
+over ``plain`` and ``plain_c``; the output's and the projections' weight gradients' relative
+errors against ``plain``'s (``plain_c``'s for the compiled modes where it ran; 3e-2 for bf16,
+1e-4 for fp32, or the run fails).
 
     python tools/hf_bench.py                       # no GPU: 2 CPU ranks, small sizes, fp32
     torchrun --nproc-per-node=N tools/hf_bench.py [--dims 70b] [--family qwen3]
@@ -50,7 +49,7 @@ from model_bench import DIMS
 
 import overlap
 from overlap.context import calls
-from overlap.plan import make_gather_plan, make_plan, tiles
+from overlap.ops import _engine
 
 SMALL = dict(layers=2, seq=32)
 LARGE = dict(layers=2, seq=8192)
@@ -60,23 +59,27 @@ FAMILIES = {"llama": ("LlamaConfig", "LlamaModel"), "qwen3": ("Qwen3Config", "Qw
 
 @contextlib.contextmanager
 def _plain_path(on: bool):
-    """Every library call on its plain path while ``on`` (the plans and the calls' memo
-    forgotten on entry and exit, so that no decision crosses modes)."""
-
-    def forget() -> None:
-        make_plan.cache_clear()
-        make_gather_plan.cache_clear()
-        calls.clear()
-
-    floor = tiles.GEMM_MS_PER_RANK
-    forget()
+    """Every library call on its plain path while ``on``, as where ``overlap.tune`` measured
+    it fastest (``_engine.tuned``); the calls' memo forgotten on entry and exit, so that no
+    decision crosses modes."""
+    tuned = _engine.tuned
+    calls.clear()
     if on:
-        tiles.GEMM_MS_PER_RANK = float("inf")
+        _engine.tuned = lambda key: "plain"
     try:
         yield
     finally:
-        tiles.GEMM_MS_PER_RANK = floor
-        forget()
+        _engine.tuned = tuned
+        calls.clear()
+
+
+def _paths() -> dict:
+    """This rank's calls since the last look, by path ("overlap": overlapped or replayed)."""
+    out = {"overlap": 0, "plain": 0}
+    for by_how in overlap.stats(reset=True).values():
+        for how, n in by_how.items():
+            out["plain" if how.startswith("plain") else "overlap"] += n
+    return out
 
 
 def _whole(args, dtype, dev):
@@ -140,6 +143,7 @@ def bench(args: argparse.Namespace, dev: torch.device, timing_meaningful: bool) 
         model = overlap.nn.parallelize(copy.deepcopy(whole), sequence_parallel="_sp" in mode)
         compiled = mode.endswith("_c")
         run = torch.compile(model, fullgraph=True) if compiled else model
+        overlap.stats(reset=True)
         with _plain_path(mode.startswith("plain")):
             if mode.startswith("plain") and compiled not in refs:
                 refs[compiled] = dict(mode=mode, h=_step(run, ids, g), grads=_proj_grads(model))
@@ -152,7 +156,7 @@ def bench(args: argparse.Namespace, dev: torch.device, timing_meaningful: bool) 
                 pre = time_ms(lambda run=run: run(ids), args.iters, args.warmup, dev.type == "cuda")
             train = time_ms(lambda run=run: _step(run, ids, g), args.iters, args.warmup,
                             dev.type == "cuda")  # fmt: skip
-        rows.append(dict(mode=mode, prefill_ms=pre, train_ms=train))
+        rows.append(dict(mode=mode, prefill_ms=pre, train_ms=train, paths=_paths()))
         if dist.get_rank() == 0:
             print(f"{mode}: prefill {pre:.3f} ms, train {train:.3f} ms", flush=True)
         del model, run
