@@ -45,7 +45,7 @@ import sys
 import torch
 import torch.distributed as dist
 from _benchrun import DTYPES, add_options, fill_defaults, launch, rel_err, time_ms, write_json
-from model_bench import DIMS
+from model_bench import DIMS, add_dims
 
 import overlap
 from overlap.context import calls
@@ -182,12 +182,7 @@ def main() -> None:
     """Parses the arguments; spawns 2 CPU ranks, or runs as a torchrun worker."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_options(ap, SMALL, "bench_out/hf_bench.json")
-    ap.add_argument(
-        "--dims",
-        choices=tuple(DIMS),
-        default=None,
-        help="hidden, ffn, heads, kv heads (default: small on CPU, 8b on GPUs)",
-    )
+    add_dims(ap)
     ap.add_argument("--family", choices=tuple(FAMILIES), default="llama")
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated (plain first)")
     args = ap.parse_args()

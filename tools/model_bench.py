@@ -814,16 +814,21 @@ def _report(args, dev, R, timing_meaningful, rows, errors, tol, skipped, failed,
         path.write_text(json.dumps(data, indent=1) + "\n")
 
 
-def main() -> None:
-    """Parses the arguments; spawns 2 CPU ranks, or runs as a torchrun worker."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_options(ap, SMALL, "bench_out/model_bench.json")
+def add_dims(ap: argparse.ArgumentParser) -> None:
+    """``--dims`` (``DIMS``; ``hf_bench.py`` builds its models at them too)."""
     ap.add_argument(
         "--dims",
         choices=tuple(DIMS),
         default=None,
         help="hidden, ffn, heads, kv heads (default: small on CPU, 8b on GPUs)",
     )
+
+
+def main() -> None:
+    """Parses the arguments; spawns 2 CPU ranks, or runs as a torchrun worker."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_options(ap, SMALL, "bench_out/model_bench.json")
+    add_dims(ap)
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated (plain first)")
     ap.add_argument("--layouts", default="fused,separate")
     ap.add_argument("--eager", action="store_true", help="compiled modes run uncompiled")
