@@ -23,8 +23,9 @@ from overlap.nn import ColumnParallelLinear, RowParallelLinear, parallelize
 
 transformers = pytest.importorskip("transformers")
 
-# ||out - ref|| / ||ref|| of the fp32 model against float64: up to 3e-6 seen (3 seeds), where
-# the unsharded fp32 model's own error reaches 2.4e-6 (the q/k projections' small gradients)
+# ||out - ref|| / ||ref|| of the fp32 model against float64: mostly under 1e-5, where the
+# unsharded fp32 model's own error reaches 2.4e-6; the q/k projections' small gradients reached
+# 2.9e-5 once (CI, 2026-11-27), so each gradient is also allowed 10x the fp32 model's own error
 TOL = 2e-5
 TINY = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
             intermediate_size=128, num_hidden_layers=2, vocab_size=128)  # fmt: skip
