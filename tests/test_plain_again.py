@@ -9,6 +9,8 @@ host time near torch's own).
 - After a memo hit the checks still answer invalid arguments (a float ``chunks`` equal to a
   memoized int, an unhashable ``op``, ``out`` given, inputs that need a gradient, validation
   mode), at world size 1.
+- An overlapped eager call (``chunks=2`` on 2 gloo ranks, the kernel interpreted) makes its
+  signature once: ``plain_again`` hands the one it made to ``run_after``.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch.distributed as dist
 from _dist import TOL, mismatch, spawn
 
 import overlap
-from overlap.ops import _engine, dense
+from overlap.ops import _engine, _record, dense
 
 OPS = ("all_reduce", "reduce_scatter", "all_to_all")
 
@@ -119,9 +121,44 @@ def test_checks_after_a_memo_hit():
         finally:
             overlap.configure(validate=False)
         assert entered[0] == 1  # validation mode: the full way
-        assert _engine.plain_again(x, w, "all_reduce", None, "sum", "auto", 2, "t") is not None
+        assert _engine.plain_again(x, w, "all_reduce", None, "sum", "auto", 2, "t")[0] is not None
         x3 = torch.randn(2, 4, 16)
         for _ in range(2):  # the full way, then the short one: [M, N] at world size 1 too
             got = overlap.matmul_reduce_scatter(x3, w)
             assert got.shape == (8, 8)
             assert mismatch(got, x3.double().reshape(8, 16) @ w.double(), 1e-5) is None
+
+
+def _overlapped_once(rank, R, seed):
+    """Eager overlapped calls (sum and avg, new ``x`` each): right results, one signature
+    each, counted as overlapped."""
+    failures, made, orig = [], [0], _record.signature
+
+    def counted(*a):
+        made[0] += 1
+        return orig(*a)
+
+    overlap.stats(reset=True)
+    w = torch.randn(64, 32, generator=torch.Generator().manual_seed(seed))
+    _record.signature = counted
+    try:
+        for i, red in enumerate(("sum", "avg", "sum")):
+            xs = [torch.randn(64, 64, generator=torch.Generator().manual_seed(seed + 10 * i + r))
+                  for r in range(R)]  # fmt: skip
+            got = overlap.matmul_allreduce(xs[rank], w, op=red, chunks=2)
+            ref = sum(x.double() @ w.double() for x in xs) / (R if red == "avg" else 1)
+            msg = mismatch(got, ref, TOL[torch.float32])
+            if msg:
+                failures.append(f"call {i} ({red}): {msg}")
+    finally:
+        _record.signature = orig
+    if made[0] != 3:
+        failures.append(f"{made[0]} signatures made for 3 calls")
+    paths = overlap.stats().get("matmul_allreduce", {})
+    if sum(n for how, n in paths.items() if how.startswith("overlap")) != 3:
+        failures.append(f"not every call overlapped: {paths}")
+    return failures
+
+
+def test_overlapped_calls_make_their_signature_once():
+    spawn(_overlapped_once, 2, random.randrange(1 << 30))

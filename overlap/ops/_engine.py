@@ -254,16 +254,18 @@ def _issued(t: Transport, ctx: Context, p: Plan | GatherPlan) -> None:
 
 
 # -- after the matmul ------------------------------------------------------------------------
-def run_after(x, w, name, group, op, out, backend, chunks, label: str) -> torch.Tensor:
+def run_after(x, w, name, group, op, out, backend, chunks, label: str, sig=None) -> torch.Tensor:
     """A checked matmul + collective ``name`` call without autograd; ``label``: the op, as
-    ``overlap.stats`` counts it."""
-    cap = capturing(x)
-    sig = None if cap else _record.signature(name, group, op, backend, chunks, x, w)
+    ``overlap.stats`` counts it; ``sig``: the call's signature where ``plain_again`` made it
+    (an eager call, not captured), None to make it here."""
+    cap = False if sig is not None else capturing(x)
+    if sig is None and not cap:
+        sig = _record.signature(name, group, op, backend, chunks, x, w)
     p, ctx, cls, shape = decide(x, w, name, group, chunks, backend, cap, sig)
     if out is not None:
         check_out(out, shape, x, w)
     R, M, N = p.world_size, p.M, p.N
-    scale = 1.0 / R if op == "avg" and R > 1 else None
+    scale = _scale(op, R)
     validating = ctx is not None and guard.validating()
     if validating:
         _agree(group, p, x.dtype, op)
@@ -294,28 +296,33 @@ def run_after(x, w, name, group, op, out, backend, chunks, label: str) -> torch.
     return out
 
 
-def plain_again(x, w, name, group, op, backend, chunks, label: str) -> torch.Tensor | None:
-    """The result of an eager call without ``out`` or autograd whose signature the memo holds
-    with the plain path (a call with the same values passed every check and was decided
-    before): ``x @ w`` and the collective, with nothing else looked at (issue 38: within a
-    few microseconds of torch's own). None where the call must take the full way
-    (``run_after``): anything else, including invalid arguments, whose errors come from the
-    checks there."""
+def plain_again(x, w, name, group, op, backend, chunks, label: str) -> tuple:
+    """``(result, None)`` for an eager call without ``out`` or autograd whose signature the
+    memo holds with the plain path (a call with the same values passed every check and was
+    decided before): ``x @ w`` and the collective, with nothing else looked at (issue 38:
+    within a few microseconds of torch's own). Otherwise ``(None, sig)``: the call takes the
+    full way (``run_after``), whose checks raise for invalid arguments; ``sig`` is the
+    signature made here for it (None where none was: autograd, compile, capture, unhashable
+    or non-tensor arguments)."""
     if not (isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor)) or \
             (chunks is not None and type(chunks) is not int) or needs_grad(x, w) or \
             torch.compiler.is_compiling() or capturing(x):  # fmt: skip
-        return None
+        return None, None
     try:
         sig = _record.signature(name, group, op, backend, chunks, x, w)
         known = calls.get(sig) if sig is not None else None
     except TypeError:  # an unhashable argument: the checks name it
-        return None
+        return None, None
     if known is None or known.cls is not None or known.plan.spec.before:
-        return None  # (an all-gather's signature: all_gather_matmul made it, not this op)
+        return None, sig  # (an all-gather's signature: all_gather_matmul made it, not this op)
     p = known.plan
     stats.count(label, how(p))
-    scale = 1.0 / p.world_size if op == "avg" and p.world_size > 1 else None
-    return plain(x, w, None, p, scale, group, known.shape)
+    return plain(x, w, None, p, _scale(op, p.world_size), group, known.shape), None
+
+
+def _scale(op: str, R: int) -> float | None:
+    """The factor an ``avg`` call's result takes (None: none)."""
+    return 1.0 / R if op == "avg" and R > 1 else None
 
 
 def overlapped(

@@ -95,8 +95,9 @@ def matmul_collective(
 def _call(x, w, collective, group, op, out, backend, chunks, sends, receives, label: str):
     """``matmul_collective`` for the public op named ``label`` (what ``overlap.stats``
     counts the call as)."""
+    sig = None
     if out is None and sends is None and receives is None:
-        y = plain_again(x, w, collective, group, op, backend, chunks, label)
+        y, sig = plain_again(x, w, collective, group, op, backend, chunks, label)
         if y is not None:
             return y
     if check_operands(x, w, collective, op, backend, group, chunks).before:
@@ -105,13 +106,14 @@ def _call(x, w, collective, group, op, out, backend, chunks, sends, receives, la
     split = sends is not None or receives is not None
     if split:
         splits = check_splits(x, collective, sends, receives, group)
-    gname = via_op(x, w, out, group)
+    # (a signature from plain_again: it found neither autograd nor compile)
+    gname = None if sig is not None else via_op(x, w, out, group)
     if gname is not None:
         extra = (list(splits[0]), list(splits[1])) if split else ()
         return _differentiable(x, w, collective, gname, op, backend, chunks, label, *extra)
     if split:
         return exchange.split_forward(x, w, group, out, backend, chunks, *splits, None, label)
-    return run_after(x, w, collective, group, op, out, backend, chunks, label)
+    return run_after(x, w, collective, group, op, out, backend, chunks, label, sig)
 
 
 def matmul_allreduce(
