@@ -11,6 +11,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -72,3 +73,31 @@ def test_timeline_attributes_a_step():
     got = (t["wall_ms"], t["compute_ms"], t["exposed_comm_ms"], t["idle_ms"])
     assert got == pytest.approx((0.025, 0.01, 0.01, 0.005))
     assert t["gaps"][0] == (0.01, "Memcpy PtoP", "flash_b")
+
+
+def _turns(rank, R):
+    """``time_turns`` on 2 gloo ranks: every function called once per round, the order
+    reversed every other round; each key's median is the slower rank's."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        from _benchrun import time_turns
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    calls = []
+    fns = {k: (lambda k=k: calls.append(k)) for k in "abc"}
+    t = time_turns(fns, iters=3, warmup=1, cuda=False)
+    failures = []
+    if calls != list("abccbaabccba"):
+        failures.append(f"call order {''.join(calls)}")
+    if set(t) != set("abc") or not all(v >= 0 for v in t.values()):
+        failures.append(f"result {t}")
+    slow = time_turns({"s": lambda: time.sleep(0.02 if rank == 1 else 0)}, 2, 0, False)
+    if not slow["s"] >= 20:
+        failures.append(f"not the slower rank's: {slow}")
+    return failures
+
+
+def test_time_turns_takes_turns():
+    from _dist import spawn
+
+    spawn(_turns, 2)

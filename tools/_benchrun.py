@@ -111,20 +111,32 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def time_ms(fn: Callable[[], object], iters: int, warmup: int, cuda: bool) -> float:
     """Median milliseconds of ``fn`` over ``iters`` calls after ``warmup``, the slowest rank's."""
-    times = []
+    return time_turns({"": fn}, iters, warmup, cuda)[""]
+
+
+def time_turns(fns: dict, iters: int, warmup: int, cuda: bool) -> dict:
+    """Per function of ``fns``: median milliseconds of a call (alone: each call starts on an
+    idle GPU and is waited for) over ``iters`` rounds after ``warmup``, the slowest rank's. In
+    every round each function is called once, in reverse order every other round, so that
+    the GPU's clocks, which drift with its power and heat over seconds (one H100's same
+    training step took 70.1 and 76.3 ms one after the other), weigh on every function alike."""
+    times: dict = {k: [] for k in fns}
+    order = list(fns)
     for i in range(warmup + iters):
-        if cuda:
-            ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-            ev[0].record(), fn(), ev[1].record(), ev[1].synchronize()
-            t = ev[0].elapsed_time(ev[1])
-        else:
-            t0 = time.perf_counter()
-            fn()
-            t = (time.perf_counter() - t0) * 1e3
-        times += [t] if i >= warmup else []
+        for k in order if i % 2 == 0 else order[::-1]:
+            if cuda:
+                ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+                ev[0].record(), fns[k](), ev[1].record(), ev[1].synchronize()
+                t = ev[0].elapsed_time(ev[1])
+            else:
+                t0 = time.perf_counter()
+                fns[k]()
+                t = (time.perf_counter() - t0) * 1e3
+            times[k] += [t] if i >= warmup else []
+    mine = {k: statistics.median(v) for k, v in times.items()}
     every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, statistics.median(times))
-    return max(every)
+    dist.all_gather_object(every, mine)
+    return {k: max(e[k] for e in every) for k in fns}
 
 
 def write_json(args, dev, R: int, timing_meaningful: bool, rows, errors, tol: float) -> None:

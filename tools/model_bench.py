@@ -29,8 +29,10 @@ row split gives each rank its own heads) and ``separate`` (``wq``, ``wk``, ``wv`
 rows), causal attention with grouped KV heads, SwiGLU, RMSNorm, no biases.
 
 Per layout and mode: ``prefill`` (forward under ``no_grad``) and ``train`` (forward +
-backward of ``(y * g).sum()``), median ms over ``--iters`` after ``--warmup`` (compiles
-happen there), the slowest rank's; speedups over ``plain``, ``torch_tp`` and ``async_tp``.
+backward of ``(y * g).sum()``), median ms over ``--iters`` rounds after ``--warmup``, the
+slowest rank's; every mode of a layout is built (and compiled) first, then the modes take
+turns within each round (``_benchrun.time_turns``: the GPU's clocks drift alike for all);
+speedups over ``plain``, ``torch_tp`` and ``async_tp``.
 Every mode's output, input gradient and linear weights' gradients are checked against
 ``plain``'s (relative norm error under 3e-2 for 16-bit, 1e-4 for fp32, or the run fails;
 the ``nocomm`` modes are not checked: they sum nothing; the norms' weights are left out:
@@ -41,8 +43,9 @@ with and without sequence parallelism, at this run's shapes and in the layout au
 (the backward multiplies by ``weight`` itself, not ``weight.t()``): cuBLAS alone, the
 library's kernel alone, the collective alone, plain (cuBLAS, then the collective), the
 library's op, host ms per call of each, and their results against each other; then a
-profile of one training step of ``plain_sp`` and ``overlap_sp`` (and without SP): GPU time
-by kind of kernel and the top kernels; then the bytes a training step's collectives move per
+profile of two training steps and of two prefills of ``plain_sp`` and ``overlap_sp`` (and
+without SP, and ``nocomm``): GPU time by kind of kernel, the top kernels and the idle
+gaps; then the bytes a training step's collectives move per
 rank (sequence parallel), the time they take alone and the GB/s that is, the host-copy bound
 measured in the same run (pinned copies, every rank at once), and the share of the
 collectives' time each profiled mode hides (``_bytes``; with ``NCCL_P2P_DISABLE=1`` plain's
@@ -72,7 +75,7 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _benchrun import DTYPES, add_options, fill_defaults, launch, rel_err, time_ms, write_json
+from _benchrun import DTYPES, add_options, fill_defaults, launch, rel_err, time_turns, write_json
 from torch import nn
 
 import overlap
@@ -390,7 +393,7 @@ def bench(args: argparse.Namespace, dev: torch.device, timing_meaningful: bool) 
             g = torch.randn(args.seq, hidden, dtype=dtype)
         for block in ref:
             interleave(block, R)
-        reference = None
+        reference, ready = None, {}
         for mode in args.modes:
             why = _applies(mode, dev)
             if why:
@@ -403,16 +406,14 @@ def bench(args: argparse.Namespace, dev: torch.device, timing_meaningful: bool) 
                 grads = {n: p.grad for n, p in model.named_parameters() if "norm" not in n}
                 reference, model = dict(y=y, dx=dx, grads=grads, rows=mine), None
             try:  # (a mode that fails is reported, and the others still run)
-                rows.append(_run(args, layout, mode, ref, mesh, xs, gs, reference, errors, tol))
-                if rank == 0:  # (as it goes: a run cut short keeps what it measured)
-                    print(f"{layout}/{mode}: prefill {rows[-1]['prefill_ms']:.3f} ms, train "
-                          f"{rows[-1]['train_ms']:.3f} ms", flush=True)  # fmt: skip
+                ready[mode] = _ready(args, layout, mode, ref, mesh, xs, gs, reference, errors, tol)
             except Exception as e:
                 failed[f"{layout}/{mode}"] = f"{type(e).__name__}: {e}"[:800]
                 print(f"rank {rank}: {layout}/{mode} failed: {failed[f'{layout}/{mode}']}")
-            if dev.type == "cuda":
-                torch.cuda.empty_cache()  # (the mode's memory, before the next mode's)
-        del ref, reference
+        rows += _timed(args, layout, ready, rank, x.is_cuda)
+        del ref, reference, ready
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()  # (the layout's memory, before the next layout's)
     _speedups(rows)
     breakdown = _breakdown(args, dev, dtype) if args.breakdown else None
     if rank == 0:
@@ -421,14 +422,13 @@ def bench(args: argparse.Namespace, dev: torch.device, timing_meaningful: bool) 
         raise SystemExit(f"model_bench.py: {len(failed)} modes failed: {sorted(failed)}")
 
 
-def _run(args, layout, mode, ref, mesh, xs, gs, reference, errors, tol) -> dict:
-    """One mode of one layout: built, checked against ``reference``, timed; its row."""
+def _ready(args, layout, mode, ref, mesh, xs, gs, reference, errors, tol) -> tuple:
+    """One mode of one layout built, checked against ``reference`` and called once each
+    way (compiled: compiled); ``(prefill, train)``: its two steps, for ``_timed``."""
     model = build(mode, ref, mesh)
-    compiled = mode in COMPILED and not args.eager
-    if compiled:
+    if mode in COMPILED and not args.eager:
         for block in model:
             block.compile(dynamic=False)
-    cuda = xs.is_cuda
     with _mode_context(mode):
         if not mode.startswith("nocomm"):  # (the ceiling skips the sums: results differ)
             errors[f"{layout}/{mode}"] = _errors(model, xs, gs, reference)
@@ -436,13 +436,34 @@ def _run(args, layout, mode, ref, mesh, xs, gs, reference, errors, tol) -> dict:
         if bad:
             raise RuntimeError(f"{layout}/{mode} disagrees with plain: relative errors above "
                                f"{tol}: {bad}")  # fmt: skip
-        with torch.no_grad():
-            pre = time_ms(lambda: model(xs), args.iters, args.warmup, cuda)
-        train = time_ms(lambda: _step(model, xs, gs), args.iters, args.warmup, cuda)
-    T = args.seq
-    return dict(layout=layout, mode=mode, sequence_parallel=mode in SP, compiled=compiled,
-                prefill_ms=pre, train_ms=train, prefill_tok_s=T / pre * 1e3,
-                train_tok_s=T / train * 1e3)  # fmt: skip
+
+    def prefill():
+        with _mode_context(mode), torch.no_grad():
+            model(xs)
+
+    def train():
+        with _mode_context(mode):
+            _step(model, xs, gs)
+
+    prefill()
+    return prefill, train
+
+
+def _timed(args, layout: str, ready: dict, rank: int, cuda: bool) -> list[dict]:
+    """Every ready mode's prefill and train steps timed taking turns (``time_turns``: the
+    modes see the GPU's clock drift alike); their rows."""
+    fns = {(mode, i): steps[i] for i in range(2) for mode, steps in ready.items()}
+    t = time_turns(fns, args.iters, args.warmup, cuda)
+    rows, T = [], args.seq
+    for mode in ready:
+        pre, train = t[(mode, 0)], t[(mode, 1)]
+        rows.append(dict(layout=layout, mode=mode, sequence_parallel=mode in SP,
+                         compiled=mode in COMPILED and not args.eager, prefill_ms=pre,
+                         train_ms=train, prefill_tok_s=T / pre * 1e3,
+                         train_tok_s=T / train * 1e3))  # fmt: skip
+        if rank == 0:
+            print(f"{layout}/{mode}: prefill {pre:.3f} ms, train {train:.3f} ms", flush=True)
+    return rows
 
 
 def _speedups(rows: list[dict]) -> None:
@@ -564,9 +585,10 @@ def _kind(name: str) -> str:
     return "elementwise and other"
 
 
-def _profile(model, xs, gs, trace: str | None, steps: int = 2) -> dict:
-    """Over ``steps`` training steps: GPU ms per kind of kernel, the top kernels, and the
-    timeline per step (``_timeline``); ``trace``: where the Chrome trace goes (gzipped). The
+def _profile(model, xs, gs, trace: str | None, train: bool, steps: int = 2) -> dict:
+    """Over ``steps`` training steps (``train``) or prefills: GPU ms per kind of kernel, the
+    top kernels, and the timeline per step (``_timeline``); ``trace``: where the Chrome trace
+    goes (gzipped). The
     GPU sleeps first while the host queues the steps (the profiler slows the host: without
     it, up to 45% of a profiled step was the GPU waiting for the host), so that idle time on
     the GPU is waiting for a transfer or a wait the host itself made; the ranks meet at a
@@ -577,14 +599,21 @@ def _profile(model, xs, gs, trace: str | None, steps: int = 2) -> dict:
 
     from torch.profiler import ProfilerActivity, profile
 
+    def step():
+        if train:
+            _step(model, xs, gs)
+        else:
+            with torch.no_grad():
+                model(xs)
+
     for _ in range(2):
-        _step(model, xs, gs)
+        step()
     torch.cuda.synchronize()
     dist.barrier()  # (the ranks' sleeps end together: skew would count as transfer time)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         torch.cuda._sleep(400_000_000)  # (~0.2 s: the host queues the steps before they run)
         for _ in range(steps):
-            _step(model, xs, gs)
+            step()
         torch.cuda.synchronize()
     kinds, kernels = {}, {}
     for e in prof.key_averages():
@@ -714,7 +743,7 @@ def _bytes(args, ops: list[dict], profiles: dict, bound: dict | None, itemsize: 
 
 def _breakdown(args, dev, dtype) -> dict:
     """Every collective op of a layer, plain against the library's (``_layer_ops``); on GPUs,
-    the kernels of a training step per mode (fused layout)."""
+    the kernels of a training step and of a prefill per mode (fused layout)."""
     R, ops = dist.get_world_size(), []
     for name, coll, M, K, N, layout in _layer_ops(args, R):
         fns, results = _op_functions(coll, M, K, N, layout, dtype, dev)
@@ -742,7 +771,10 @@ def _breakdown(args, dev, dtype) -> dict:
         for mode in ("plain", "overlap", "plain_sp", "overlap_sp", "nocomm"):
             xs, gs = (x[mine], g[mine]) if mode in SP else (x, g)
             trace = f"{args.out}.{mode}.trace.json.gz" if dist.get_rank() == 0 else None
-            profiles[mode] = _profile(build(mode, ref, None), xs, gs, trace)
+            model = build(mode, ref, None)
+            profiles[mode] = _profile(model, xs, gs, trace, train=True)
+            profiles[f"{mode} prefill"] = _profile(model, xs, gs, None, train=False)
+            del model
             torch.cuda.empty_cache()
     bound = _copy_bound(dev) if dev.type == "cuda" else None
     itemsize = torch.empty(0, dtype=dtype).element_size()
@@ -800,7 +832,8 @@ def _report(args, dev, R, timing_meaningful, rows, errors, tol, skipped, failed,
         for kind, gbps in b.get("overlap_sp_host_copy_gbps", {}).items():
             print(f"overlap_sp's {kind}: {gbps:.1f} GB/s while busy")
         for mode, prof in breakdown["profiles"].items():
-            print(f"\n{mode}: per training step {prof['wall_ms']:.2f} ms on the GPU: compute "
+            what = "prefill" if mode.endswith(" prefill") else "training step"
+            print(f"\n{mode}: per {what} {prof['wall_ms']:.2f} ms on the GPU: compute "
                   f"{prof['compute_ms']:.2f}, transfers alone {prof['exposed_comm_ms']:.2f}, "
                   f"idle {prof['idle_ms']:.2f}; by kind of kernel: "
                   + ", ".join(f"{k} {v:.2f}" for k, v in prof["kinds"].items()))  # fmt: skip
