@@ -111,32 +111,35 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def time_ms(fn: Callable[[], object], iters: int, warmup: int, cuda: bool) -> float:
     """Median milliseconds of ``fn`` over ``iters`` calls after ``warmup``, the slowest rank's."""
-    return time_turns({"": fn}, iters, warmup, cuda)[""]
+    return time_turns({"": fn}, iters, warmup, cuda)[""][0]
 
 
-def time_turns(fns: dict, iters: int, warmup: int, cuda: bool) -> dict:
-    """Per function of ``fns``: median milliseconds of a call (alone: each call starts on an
-    idle GPU and is waited for) over ``iters`` rounds after ``warmup``, the slowest rank's. In
-    every round each function is called once, in reverse order every other round, so that
-    the GPU's clocks, which drift with its power and heat over seconds (one H100's same
-    training step took 70.1 and 76.3 ms one after the other), weigh on every function alike."""
-    times: dict = {k: [] for k in fns}
+def time_turns(fns: dict, iters: int, warmup: int, cuda: bool, calls: int = 1) -> dict:
+    """Per function of ``fns``: the median milliseconds of its 1st, 2nd, ... ``calls``-th call
+    in a turn (each call alone: it starts on an idle GPU and is waited for) over ``iters``
+    rounds after ``warmup``, the slowest rank's. In every round each function takes one turn
+    of ``calls`` calls, in reverse order every other round, so that the GPU's clocks, which
+    drift with its power and heat (H100s at their 700 W cap ran between 1140 and 1980 MHz in
+    one model bench), weigh on every function alike; a turn's first call shows what a
+    switch from the other functions costs, its last the steady state."""
+    times: dict = {k: [[] for _ in range(calls)] for k in fns}
     order = list(fns)
     for i in range(warmup + iters):
         for k in order if i % 2 == 0 else order[::-1]:
-            if cuda:
-                ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-                ev[0].record(), fns[k](), ev[1].record(), ev[1].synchronize()
-                t = ev[0].elapsed_time(ev[1])
-            else:
-                t0 = time.perf_counter()
-                fns[k]()
-                t = (time.perf_counter() - t0) * 1e3
-            times[k] += [t] if i >= warmup else []
-    mine = {k: statistics.median(v) for k, v in times.items()}
+            for j in range(calls):
+                if cuda:
+                    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+                    ev[0].record(), fns[k](), ev[1].record(), ev[1].synchronize()
+                    t = ev[0].elapsed_time(ev[1])
+                else:
+                    t0 = time.perf_counter()
+                    fns[k]()
+                    t = (time.perf_counter() - t0) * 1e3
+                times[k][j] += [t] if i >= warmup else []
+    mine = {k: [statistics.median(v) for v in per] for k, per in times.items()}
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
-    return {k: max(e[k] for e in every) for k in fns}
+    return {k: [max(e[k][j] for e in every) for j in range(calls)] for k in fns}
 
 
 def write_json(args, dev, R: int, timing_meaningful: bool, rows, errors, tol: float) -> None:

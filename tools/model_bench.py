@@ -31,8 +31,10 @@ rows), causal attention with grouped KV heads, SwiGLU, RMSNorm, no biases.
 Per layout and mode: ``prefill`` (forward under ``no_grad``) and ``train`` (forward +
 backward of ``(y * g).sum()``), median ms over ``--iters`` rounds after ``--warmup``, the
 slowest rank's; every mode of a layout is built (and compiled) first, then the modes take
-turns within each round (``_benchrun.time_turns``: the GPU's clocks drift alike for all);
-speedups over ``plain``, ``torch_tp`` and ``async_tp``.
+turns of two steps within each round (``_benchrun.time_turns``: the GPU's clocks, capped by
+its power, drift alike for all), the second step timed (the first, after the other modes'
+steps, is in the JSON as ``*_after_switch_ms``); speedups over ``plain``, ``torch_tp`` and
+``async_tp``.
 Every mode's output, input gradient and linear weights' gradients are checked against
 ``plain``'s (relative norm error under 3e-2 for 16-bit, 1e-4 for fp32, or the run fails;
 the ``nocomm`` modes are not checked: they sum nothing; the norms' weights are left out:
@@ -450,17 +452,19 @@ def _ready(args, layout, mode, ref, mesh, xs, gs, reference, errors, tol) -> tup
 
 
 def _timed(args, layout: str, ready: dict, rank: int, cuda: bool) -> list[dict]:
-    """Every ready mode's prefill and train steps timed taking turns (``time_turns``: the
-    modes see the GPU's clock drift alike); their rows."""
+    """Every ready mode's prefill and train steps timed taking turns of two steps
+    (``time_turns``: the modes see the GPU's clock drift alike); their rows: the second
+    step's median, and the first's (``*_after_switch_ms``: after the other modes ran)."""
     fns = {(mode, i): steps[i] for i in range(2) for mode, steps in ready.items()}
-    t = time_turns(fns, args.iters, args.warmup, cuda)
+    t = time_turns(fns, args.iters, args.warmup, cuda, calls=2)
     rows, T = [], args.seq
     for mode in ready:
-        pre, train = t[(mode, 0)], t[(mode, 1)]
+        (pre_switch, pre), (train_switch, train) = t[(mode, 0)], t[(mode, 1)]
         rows.append(dict(layout=layout, mode=mode, sequence_parallel=mode in SP,
                          compiled=mode in COMPILED and not args.eager, prefill_ms=pre,
                          train_ms=train, prefill_tok_s=T / pre * 1e3,
-                         train_tok_s=T / train * 1e3))  # fmt: skip
+                         train_tok_s=T / train * 1e3, prefill_after_switch_ms=pre_switch,
+                         train_after_switch_ms=train_switch))  # fmt: skip
         if rank == 0:
             print(f"{layout}/{mode}: prefill {pre:.3f} ms, train {train:.3f} ms", flush=True)
     return rows
