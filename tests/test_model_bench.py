@@ -35,6 +35,15 @@ def test_model_bench_cpu(tmp_path):
     assert got == {(lay, m) for lay in ("fused", "separate") for m in modes}
     assert "P2P" in res["skipped"]["async_tp"]
     assert all(r["prefill_ms"] > 0 and r["train_ms"] > 0 for r in res["rows"])
+    for r in res["rows"]:  # the library's calls by path, over every step of every turn
+        turn = len(r["train_turn_ms"])
+        assert turn == len(r["prefill_turn_ms"]) >= 2 and r["train_ms"] == r["train_turn_ms"][-1]
+        calls = {ph: sum(r["paths"][ph].values()) for ph in ("prefill", "train")}
+        if r["mode"].startswith("overlap"):  # a layer's 2 (no SP) or 4 forward collectives
+            per_step = 2 if r["mode"] == "overlap" else 4
+            assert calls == {"prefill": per_step * turn, "train": 2 * per_step * turn}, r
+        else:
+            assert calls == {"prefill": 0, "train": 0}, r
     checked = {(lay, m) for lay in ("fused", "separate") for m in modes if "nocomm" not in m}
     assert set(res["errors"]) == {f"{lay}/{m}" for lay, m in checked}
     for errs in res["errors"].values():

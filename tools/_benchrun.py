@@ -114,6 +114,19 @@ def time_ms(fn: Callable[[], object], iters: int, warmup: int, cuda: bool) -> fl
     return time_turns({"": fn}, iters, warmup, cuda)[""][0]
 
 
+def paths() -> dict:
+    """This rank's calls of the library since the last look (``overlap.stats``, reset), by
+    path: ``replayed`` (a recorded graph), ``overlap`` (overlapped eagerly: a first sighting
+    or a capture) and ``plain``."""
+    import overlap
+
+    out = {"replayed": 0, "overlap": 0, "plain": 0}
+    for by_how in overlap.stats(reset=True).values():
+        for how, n in by_how.items():
+            out[how.split()[0].rstrip(":")] += n
+    return out
+
+
 def time_turns(fns: dict, iters: int, warmup: int, cuda: bool, calls: int = 1) -> dict:
     """Per function of ``fns``: the median milliseconds of its 1st, 2nd, ... ``calls``-th call
     in a turn (each call alone: it starts on an idle GPU and is waited for) over ``iters``

@@ -24,7 +24,7 @@ Modes:
 
 The plain path is forced as where ``overlap.tune`` measured it fastest (every call's tuned
 choice "plain"; the calls' memo forgotten between modes); the layers are the same in every
-mode, and each row counts its calls by path (``paths``: overlapped or replayed, and plain).
+mode, and each row counts its calls by path (``paths``: replayed, overlapped eagerly, plain).
 Per mode: ``prefill`` (forward under ``no_grad``) and ``train`` (forward + backward of
 ``(h * g).sum()`` on the last hidden state ``h``), median ms, the slowest rank's; speedups
 over ``plain`` and ``plain_c``; the output's and the projections' weight gradients' relative
@@ -44,7 +44,16 @@ import sys
 
 import torch
 import torch.distributed as dist
-from _benchrun import DTYPES, add_options, fill_defaults, launch, rel_err, time_ms, write_json
+from _benchrun import (
+    DTYPES,
+    add_options,
+    fill_defaults,
+    launch,
+    paths,
+    rel_err,
+    time_ms,
+    write_json,
+)
 from model_bench import DIMS, add_dims
 
 import overlap
@@ -71,15 +80,6 @@ def _plain_path(on: bool):
     finally:
         _engine.tuned = tuned
         calls.clear()
-
-
-def _paths() -> dict:
-    """This rank's calls since the last look, by path ("overlap": overlapped or replayed)."""
-    out = {"overlap": 0, "plain": 0}
-    for by_how in overlap.stats(reset=True).values():
-        for how, n in by_how.items():
-            out["plain" if how.startswith("plain") else "overlap"] += n
-    return out
 
 
 def _whole(args, dtype, dev):
@@ -156,7 +156,7 @@ def bench(args: argparse.Namespace, dev: torch.device, timing_meaningful: bool) 
                 pre = time_ms(lambda run=run: run(ids), args.iters, args.warmup, dev.type == "cuda")
             train = time_ms(lambda run=run: _step(run, ids, g), args.iters, args.warmup,
                             dev.type == "cuda")  # fmt: skip
-        rows.append(dict(mode=mode, prefill_ms=pre, train_ms=train, paths=_paths()))
+        rows.append(dict(mode=mode, prefill_ms=pre, train_ms=train, paths=paths()))
         if dist.get_rank() == 0:
             print(f"{mode}: prefill {pre:.3f} ms, train {train:.3f} ms", flush=True)
         del model, run

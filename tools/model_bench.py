@@ -31,10 +31,10 @@ rows), causal attention with grouped KV heads, SwiGLU, RMSNorm, no biases.
 Per layout and mode: ``prefill`` (forward under ``no_grad``) and ``train`` (forward +
 backward of ``(y * g).sum()``), median ms over ``--iters`` rounds after ``--warmup``, the
 slowest rank's; every mode of a layout is built (and compiled) first, then the modes take
-turns of two steps within each round (``_benchrun.time_turns``: the GPU's clocks, capped by
-its power, drift alike for all), the second step timed (the first, after the other modes'
-steps, is in the JSON as ``*_after_switch_ms``); speedups over ``plain``, ``torch_tp`` and
-``async_tp``.
+turns of ``TURN`` steps within each round (``_benchrun.time_turns``: the GPU's clocks, capped
+by its power, drift alike for all), the last step of a turn timed (the JSON has every
+step's, ``*_turn_ms``, and the library's calls by path, ``paths``); speedups over
+``plain``, ``torch_tp`` and ``async_tp``.
 Every mode's output, input gradient and linear weights' gradients are checked against
 ``plain``'s (relative norm error under 3e-2 for 16-bit, 1e-4 for fp32, or the run fails;
 the ``nocomm`` modes are not checked: they sum nothing; the norms' weights are left out:
@@ -77,7 +77,16 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _benchrun import DTYPES, add_options, fill_defaults, launch, rel_err, time_turns, write_json
+from _benchrun import (
+    DTYPES,
+    add_options,
+    fill_defaults,
+    launch,
+    paths,
+    rel_err,
+    time_turns,
+    write_json,
+)
 from torch import nn
 
 import overlap
@@ -94,6 +103,13 @@ MODES = ("plain", "plain_sp", "nocomm", "nocomm_c", "overlap", "overlap_sp", "ov
          "torch_tp", "async_tp")  # fmt: skip
 SP = {"plain_sp", "overlap_sp", "overlap_sp_c", "torch_tp", "async_tp"}
 COMPILED = {"nocomm_c", "overlap_sp_c", "torch_tp", "async_tp"}
+# Steps per turn in the timed rounds (``_timed``); the last is timed. With one, the library's
+# sequence-parallel modes ran 1.2-1.6 ms slower at 8B TP 2 than when run alone; with two,
+# their training steps ran slower in a turn's second step than in its first (8B: 27.3
+# against 25.6 ms at TP 2, 22.6 against 19.3 at TP 4; 2x / 4x H100, 2026-11-27). Not
+# explained; suspected: the all-gathers' records are keyed by address, so a turn's second
+# step captures graphs that its first step ran eagerly (NOTES.md). Three never ran on GPUs.
+TURN = 3
 
 
 # -- the model ---------------------------------------------------------------------------------
@@ -452,19 +468,32 @@ def _ready(args, layout, mode, ref, mesh, xs, gs, reference, errors, tol) -> tup
 
 
 def _timed(args, layout: str, ready: dict, rank: int, cuda: bool) -> list[dict]:
-    """Every ready mode's prefill and train steps timed taking turns of two steps
-    (``time_turns``: the modes see the GPU's clock drift alike); their rows: the second
-    step's median, and the first's (``*_after_switch_ms``: after the other modes ran)."""
-    fns = {(mode, i): steps[i] for i in range(2) for mode, steps in ready.items()}
-    t = time_turns(fns, args.iters, args.warmup, cuda, calls=2)
+    """Every ready mode's prefill and train steps timed taking turns of ``TURN`` steps
+    (``time_turns``: the modes see the GPU's clock drift alike); their rows: the last step's
+    median (``*_ms``), every step's (``*_turn_ms``: the first runs after the other modes'
+    steps) and the library's calls by path over every step (``paths``)."""
+    counts = {k: {} for k in ready}
+
+    def counted(mode: str, i: int):  # each step's calls by path (overlap.stats), per mode
+        def step():
+            paths()
+            ready[mode][i]()
+            for how, n in paths().items():
+                by = counts[mode].setdefault(("prefill", "train")[i], {})
+                by[how] = by.get(how, 0) + n
+
+        return step
+
+    fns = {(mode, i): counted(mode, i) for i in range(2) for mode in ready}
+    t = time_turns(fns, args.iters, args.warmup, cuda, calls=TURN)
     rows, T = [], args.seq
     for mode in ready:
-        (pre_switch, pre), (train_switch, train) = t[(mode, 0)], t[(mode, 1)]
+        pre, train = t[(mode, 0)][-1], t[(mode, 1)][-1]
         rows.append(dict(layout=layout, mode=mode, sequence_parallel=mode in SP,
                          compiled=mode in COMPILED and not args.eager, prefill_ms=pre,
                          train_ms=train, prefill_tok_s=T / pre * 1e3,
-                         train_tok_s=T / train * 1e3, prefill_after_switch_ms=pre_switch,
-                         train_after_switch_ms=train_switch))  # fmt: skip
+                         train_tok_s=T / train * 1e3, prefill_turn_ms=t[(mode, 0)],
+                         train_turn_ms=t[(mode, 1)], paths=counts[mode]))  # fmt: skip
         if rank == 0:
             print(f"{layout}/{mode}: prefill {pre:.3f} ms, train {train:.3f} ms", flush=True)
     return rows
