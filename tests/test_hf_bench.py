@@ -41,3 +41,12 @@ def test_hf_bench_cpu(tmp_path):
     for errs in res["errors"].values():
         assert set(errs) == {"output", "weight_grad"}
         assert all(e < res["tolerance"] <= 1e-4 for e in errs.values()), res["errors"]
+
+
+@pytest.mark.parametrize("modes", ["plain,overlap_sp_c", "plain,overlap_c,plain_c"])
+def test_compiled_modes_need_their_reference_first(modes):
+    """A compiled mode is checked against ``plain_c``: listing it without ``plain_c`` before
+    it is refused (it once failed a GPU run after its eager modes, against eager plain)."""
+    cmd = [sys.executable, str(TOOL), "--cpu", "--modes", modes]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "plain_c (the compiled modes' reference)" in done.stderr
