@@ -495,7 +495,16 @@ def _timed(args, layout: str, ready: dict, rank: int, cuda: bool) -> list[dict]:
                          train_tok_s=T / train * 1e3, prefill_turn_ms=t[(mode, 0)],
                          train_turn_ms=t[(mode, 1)], paths=counts[mode]))  # fmt: skip
         if rank == 0:
-            print(f"{layout}/{mode}: prefill {pre:.3f} ms, train {train:.3f} ms", flush=True)
+            by = ", ".join(
+                f"{ph} {c['replayed']} replayed / {c['overlap']} eager"
+                for ph, c in counts[mode].items()
+                if c["replayed"] + c["overlap"]
+            )
+            print(
+                f"{layout}/{mode}: prefill {pre:.3f} ms, train {train:.3f} ms"
+                + (f" (the library's overlapped calls: {by})" if by else ""),
+                flush=True,
+            )
     return rows
 
 
