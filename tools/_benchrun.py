@@ -123,7 +123,8 @@ def paths() -> dict:
     out = {"replayed": 0, "overlap": 0, "plain": 0}
     for by_how in overlap.stats(reset=True).values():
         for how, n in by_how.items():
-            out[how.split()[0].rstrip(":")] += n
+            kind = how.split()[0].rstrip(":")  # (another word: a diagnostic copy's own count)
+            out[kind] = out.get(kind, 0) + n
     return out
 
 
