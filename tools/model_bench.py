@@ -454,6 +454,13 @@ def _ready(args, layout, mode, ref, mesh, xs, gs, reference, errors, tol) -> tup
         if bad:
             raise RuntimeError(f"{layout}/{mode} disagrees with plain: relative errors above "
                                f"{tol}: {bad}")  # fmt: skip
+    prefill, train = _steps(model, xs, gs, mode)
+    prefill()
+    return prefill, train
+
+
+def _steps(model: nn.Module, xs: torch.Tensor, gs: torch.Tensor, mode: str) -> tuple:
+    """``(prefill, train)``: one step of ``model`` each way, under ``mode``'s context."""
 
     def prefill():
         with _mode_context(mode), torch.no_grad():
@@ -463,7 +470,6 @@ def _ready(args, layout, mode, ref, mesh, xs, gs, reference, errors, tol) -> tup
         with _mode_context(mode):
             _step(model, xs, gs)
 
-    prefill()
     return prefill, train
 
 
@@ -475,11 +481,12 @@ def _timed(args, layout: str, ready: dict, rank: int, cuda: bool) -> list[dict]:
     counts = {k: {} for k in ready}
 
     def counted(mode: str, i: int):  # each step's calls by path (overlap.stats), per mode
+        by = counts[mode].setdefault(("prefill", "train")[i], {})
+
         def step():
             paths()
             ready[mode][i]()
             for how, n in paths().items():
-                by = counts[mode].setdefault(("prefill", "train")[i], {})
                 by[how] = by.get(how, 0) + n
 
         return step
@@ -627,10 +634,10 @@ def _kind(name: str) -> str:
     return "elementwise and other"
 
 
-def _profile(model, xs, gs, trace: str | None, train: bool, steps: int = 2) -> dict:
-    """Over ``steps`` training steps (``train``) or prefills: GPU ms per kind of kernel, the
-    top kernels, and the timeline per step (``_timeline``); ``trace``: where the Chrome trace
-    goes (gzipped). The
+def _profile(step, trace: str | None, steps: int = 2) -> dict:
+    """Over ``steps`` calls of ``step`` (a training step or a prefill, ``_steps``): GPU ms per
+    kind of kernel, the top kernels, and the timeline per step (``_timeline``); ``trace``:
+    where the Chrome trace goes (gzipped). The
     GPU sleeps first while the host queues the steps (the profiler slows the host: without
     it, up to 45% of a profiled step was the GPU waiting for the host), so that idle time on
     the GPU is waiting for a transfer or a wait the host itself made; the ranks meet at a
@@ -640,13 +647,6 @@ def _profile(model, xs, gs, trace: str | None, train: bool, steps: int = 2) -> d
     import tempfile
 
     from torch.profiler import ProfilerActivity, profile
-
-    def step():
-        if train:
-            _step(model, xs, gs)
-        else:
-            with torch.no_grad():
-                model(xs)
 
     for _ in range(2):
         step()
@@ -813,10 +813,10 @@ def _breakdown(args, dev, dtype) -> dict:
         for mode in ("plain", "overlap", "plain_sp", "overlap_sp", "nocomm"):
             xs, gs = (x[mine], g[mine]) if mode in SP else (x, g)
             trace = f"{args.out}.{mode}.trace.json.gz" if dist.get_rank() == 0 else None
-            model = build(mode, ref, None)
-            profiles[mode] = _profile(model, xs, gs, trace, train=True)
-            profiles[f"{mode} prefill"] = _profile(model, xs, gs, None, train=False)
-            del model
+            prefill, train = _steps(build(mode, ref, None), xs, gs, mode)
+            profiles[mode] = _profile(train, trace)
+            profiles[f"{mode} prefill"] = _profile(prefill, None)
+            del prefill, train
             torch.cuda.empty_cache()
     bound = _copy_bound(dev) if dev.type == "cuda" else None
     itemsize = torch.empty(0, dtype=dtype).element_size()

@@ -258,7 +258,7 @@ def run_after(x, w, name, group, op, out, backend, chunks, label: str, sig=None)
     """A checked matmul + collective ``name`` call without autograd; ``label``: the op, as
     ``overlap.stats`` counts it; ``sig``: the call's signature where ``plain_again`` made it
     (an eager call, not captured), None to make it here."""
-    cap = False if sig is not None else capturing(x)
+    cap = sig is None and capturing(x)  # (plain_again makes no signature while capturing)
     if sig is None and not cap:
         sig = _record.signature(name, group, op, backend, chunks, x, w)
     p, ctx, cls, shape = decide(x, w, name, group, chunks, backend, cap, sig)
