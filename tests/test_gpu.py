@@ -1000,10 +1000,11 @@ def _moving(rank, R, seed, device="cuda"):
     reading ``x``) and bf16 (``x`` through a TMA descriptor): every call against float64,
     outputs poisoned with NaN, earlier inputs and outputs kept alive (a graph not pointed at
     the new ones reads valid, wrong data), and every call from the fourth of a shape on
-    replayed (``ops/_rebind.py``; else the case tests nothing); then a call like the
-    replayed ones with an ``out`` that aliases ``x`` or lies on the CPU must raise (a record's
-    key holds no address or device of its outputs). ``device="cpu"``: the same calls on CPU
-    ranks, not recorded (tests/test_cache_keys.py)."""
+    replayed (``ops/_rebind.py``; else the case tests nothing); all-gathers the same way,
+    every call from the fourth of a record on an updated graph (``ops/_record.py``); then a
+    call like the replayed ones with an ``out`` that aliases ``x`` or lies on the CPU must
+    raise (a record's key holds no address or device of its outputs). ``device="cpu"``: the
+    same calls on CPU ranks, not recorded (tests/test_cache_keys.py)."""
     import overlap
 
     cuda = device == "cuda"
@@ -1037,6 +1038,30 @@ def _moving(rank, R, seed, device="cuda"):
             replayed = replayed > before
             if cuda and i >= 6 and not replayed:
                 failures.append(f"{what}: not replayed (its graph was not rebound)")
+    for dtype in (torch.float32, torch.bfloat16) if cuda else (torch.float32,):
+        # all-gathers (cuBLAS in their graphs: not rebound) at new addresses at every call,
+        # with and without x_full in turn (two records): a record's third address set takes a
+        # new graph, its fourth on updates the graph of the last but one (``_record.py``)
+        m, K, N = (512, 256, 384) if cuda else (16, 24, 16)
+        ws = torch.randn(R, K, N, generator=g).to(dtype)
+        w = ws[rank].to(dev)
+        for i in range(12):
+            xs = torch.randn(R, m, K, generator=g).to(dtype)
+            x, keep = xs[rank].to(dev), i % 2 == 1
+            x_full = torch.cat(list(xs)).double()
+            out = torch.full((R * m, N), float("nan"), dtype=dtype, device=dev)
+            before = overlap.stats().get("all_gather_matmul", {}).get("updated via ce", 0)
+            got = overlap.all_gather_matmul(x, w, out=out, return_gathered=keep, chunks=4,
+                                            backend="ce" if cuda else "torch")  # fmt: skip
+            kept += [x, out, *(got[1:] if keep else ())]
+            what = f"all_gather {dtype} return_gathered={keep} call {i // 2} at new addresses"
+            why = mismatch(out, (x_full @ ws[rank].double()).to(dev), TOL[dtype])
+            if keep and not torch.equal(got[1], x_full.to(dtype).to(dev)):
+                why = (why or "") + " x_full differs"
+            failures.extend([f"{what}: {why}"] if why else [])
+            updated = overlap.stats().get("all_gather_matmul", {}).get("updated via ce", 0)
+            if cuda and i >= 6 and not updated > before:
+                failures.append(f"{what}: no graph updated (the case tests nothing)")
     if cuda:  # a bad out for a call that replays (its record's key holds no address or device)
         dtype, (M, K, N) = torch.bfloat16, (1024, 384, 512)
         buf = torch.randn(M * (K + N), device=dev).to(dtype)

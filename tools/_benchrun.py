@@ -116,11 +116,12 @@ def time_ms(fn: Callable[[], object], iters: int, warmup: int, cuda: bool) -> fl
 
 def paths() -> dict:
     """This rank's calls of the library since the last look (``overlap.stats``, reset), by
-    path: ``replayed`` (a recorded graph), ``overlap`` (overlapped eagerly: a first sighting
-    or a capture) and ``plain``."""
+    path: ``replayed`` (a recorded graph), ``updated`` (a recorded graph updated for new
+    addresses), ``overlap`` (overlapped eagerly: a first sighting or a capture) and
+    ``plain``."""
     import overlap
 
-    out = {"replayed": 0, "overlap": 0, "plain": 0}
+    out = {"replayed": 0, "updated": 0, "overlap": 0, "plain": 0}
     for by_how in overlap.stats(reset=True).values():
         for how, n in by_how.items():
             kind = how.split()[0].rstrip(":")  # (another word: a diagnostic copy's own count)

@@ -103,12 +103,11 @@ MODES = ("plain", "plain_sp", "nocomm", "nocomm_c", "overlap", "overlap_sp", "ov
          "torch_tp", "async_tp")  # fmt: skip
 SP = {"plain_sp", "overlap_sp", "overlap_sp_c", "torch_tp", "async_tp"}
 COMPILED = {"nocomm_c", "overlap_sp_c", "torch_tp", "async_tp"}
-# Steps per turn in the timed rounds (``_timed``); the last is timed. With one, the library's
-# sequence-parallel modes ran 1.2-1.6 ms slower at 8B TP 2 than when run alone; with two,
-# their training steps ran slower in a turn's second step than in its first (8B: 27.3
-# against 25.6 ms at TP 2, 22.6 against 19.3 at TP 4; 2x / 4x H100, 2026-11-27). Not
-# explained; suspected: the all-gathers' records are keyed by address, so a turn's second
-# step captures graphs that its first step ran eagerly (NOTES.md). Three never ran on GPUs.
+# Steps per turn in the timed rounds (``_timed``); the last is timed. A step after the other
+# modes' finds the activations at new addresses: while the all-gathers' records were keyed
+# by address, a turn's first step ran them eagerly and its second captured them, and only
+# the third replayed (8B TP 4, overlap_sp training: 19.6, 21.6, 14.1 ms; 4x H100,
+# 2026-11-27); ops/_record.py now replays an updated graph from the first.
 TURN = 3
 
 
@@ -503,9 +502,10 @@ def _timed(args, layout: str, ready: dict, rank: int, cuda: bool) -> list[dict]:
                          train_turn_ms=t[(mode, 1)], paths=counts[mode]))  # fmt: skip
         if rank == 0:
             by = ", ".join(
-                f"{ph} {c['replayed']} replayed / {c['overlap']} eager"
+                f"{ph} {c['replayed']} replayed / {c['updated']} updated / "
+                f"{c['overlap']} eager"
                 for ph, c in counts[mode].items()
-                if c["replayed"] + c["overlap"]
+                if c["replayed"] + c["updated"] + c["overlap"]
             )
             print(
                 f"{layout}/{mode}: prefill {pre:.3f} ms, train {train:.3f} ms"

@@ -285,12 +285,12 @@ def run_after(x, w, name, group, op, out, backend, chunks, label: str, sig=None)
             return out
     x2 = x if x.dim() == 2 else x.reshape(M, p.K)
     out2 = out if out.dim() == 2 else out.view(M, N)  # (-1: ambiguous when N = 0)
-    stats.count(label, how(p))
     with _watch(ctx, cls, p, x, cap) if validating else contextlib.nullcontext():
         call = functools.partial(overlapped, x2, w, out2, p, scale, ctx, cls)
         if x2.data_ptr() != x.data_ptr():  # (a copy made x 2-D: nothing to record)
             key = None
-        _record.recorded(call, ctx, cls, capturing=cap, key=key, moved=(x, out))
+        updated = _record.recorded(call, ctx, cls, capturing=cap, key=key, moved=(x, out))
+        stats.count(label, "updated via " + cls.name if updated else how(p))
         if cls.watched and not (cap or validating):
             _issued(ctx.transport(cls), ctx, p)
     return out
@@ -437,8 +437,8 @@ def run_before(x, w, group, out, backend, chunks, keep: bool):
     key = None
     if sig is not None and cls is not None and cls.recorded and x.is_cuda:
         full = x.new_empty((M, K) if keep else (0,))  # (outside a recorded graph's pool)
-        key = (sig, _record.outputs(out, full), _record.bases(x, out, full))  # (not rebound)
-        replayed = _record.replay(key, ())  # a recorded call again
+        key = (sig, _record.outputs(out, full))
+        replayed = _record.replay(key, _record.bases(x, out, full))  # a recorded call again
         if replayed is not None:
             stats.count("all_gather_matmul", "replayed via " + replayed.name)
             _issued(replayed, ctx, p)
@@ -447,9 +447,9 @@ def run_before(x, w, group, out, backend, chunks, keep: bool):
     validating = ctx is not None and guard.validating()
     if validating:
         _agree(group, p, x.dtype)
-    stats.count("all_gather_matmul", how(p))
     with _watch(ctx, cls, p, x, cap) if validating else contextlib.nullcontext():
         if p.path != "overlap":
+            stats.count("all_gather_matmul", how(p))
             full = x2
             if R > 1:
                 full = x.new_empty(M, K)
@@ -462,7 +462,10 @@ def run_before(x, w, group, out, backend, chunks, keep: bool):
             elif x2.data_ptr() != x.data_ptr():  # (a copy made x 2-D: nothing to record)
                 key = None
             call = functools.partial(_gathered, x2, w, out, full, p, ctx, cls)
-            _record.recorded(call, ctx, cls, capturing=cap, key=key)
+            moved = (x, out, full)  # (cuBLAS kernels: not rebound)
+            updated = _record.recorded(call, ctx, cls, capturing=cap, key=key, moved=moved,
+                                       rebound=False)  # fmt: skip
+            stats.count("all_gather_matmul", "updated via " + cls.name if updated else how(p))
             if cls.watched and not (cap or validating):
                 _issued(ctx.transport(cls), ctx, p)
     return out, full

@@ -204,6 +204,19 @@ class Binding:
         self.bases = bases
 
 
+def update(graph: torch.cuda.CUDAGraph, source: torch.cuda.CUDAGraph) -> None:
+    """Update ``graph``'s executable graph (instantiated) from ``source`` (captured with
+    ``keep_graph=True``: the same call for other tensors), ``cuGraphExecUpdate``: launches
+    already enqueued are left alone; raises ``DriverError`` where the driver refuses (another
+    topology, a node it cannot update)."""
+    info = (c_uint64 * 4)()  # CUgraphExecUpdateResultInfo (result, errorNode, errorFromNode)
+    try:
+        exe, g = graph.raw_cuda_graph_exec(), source.raw_cuda_graph()
+        _call("cuGraphExecUpdate_v2", c_void_p(exe), c_void_p(g), byref(info))
+    except (OSError, AttributeError) as e:  # (no libcuda, a torch without the raw handles)
+        raise DriverError(str(e)) from e
+
+
 def bind(graph: torch.cuda.CUDAGraph, moved: tuple[torch.Tensor, ...]) -> Binding | None:
     """A ``Binding`` of ``graph`` (captured with ``keep_graph=True``, instantiated) for the
     tensors ``moved``, or None where it is not rebindable (module docstring)."""
