@@ -502,8 +502,7 @@ def _timed(args, layout: str, ready: dict, rank: int, cuda: bool) -> list[dict]:
                          train_turn_ms=t[(mode, 1)], paths=counts[mode]))  # fmt: skip
         if rank == 0:
             by = ", ".join(
-                f"{ph} {c['replayed']} replayed / {c['updated']} updated / "
-                f"{c['overlap']} eager"
+                f"{ph} {c['replayed']} replayed / {c['updated']} updated / {c['overlap']} eager"
                 for ph, c in counts[mode].items()
                 if c["replayed"] + c["updated"] + c["overlap"]
             )

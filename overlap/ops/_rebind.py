@@ -30,6 +30,9 @@ from device memory (a pointer array) cannot be seen here: only the dense calls' 
 GEMM kernel, fills of its own counters, copies, stream memory operations on the transports'
 flags) are bound, and the GPU tests move every tensor they can.
 
+A graph that cannot be bound is pointed at other tensors by the driver instead (``update``,
+``cuGraphExecUpdate`` from a capture of the call for them: ``_record.py``).
+
 The driver is called through ctypes: the parameters are raw bytes (cuda-python's structs
 cannot hold a kernel's parameter buffer or a tensor map as bytes).
 """

@@ -10,17 +10,23 @@ work is the same: every call zeroes its own counters and flags). Only the first 
 eagerly, so calls that never repeat pay no capture.
 
 The input's and the outputs' addresses are in no key: a call whose tensors moved still
-replays its record's graph, pointed at them one of two ways. A dense call's graph is rebound
-(``_rebind``: one driver call per node that holds them). The all-gather's (cuBLAS kernels,
-whose parameters ``_rebind`` cannot read for certain) and a dense graph that
-``_rebind.bind`` refused are captured again for the new tensors, and the record's executable
-graph is updated from that capture (``cuGraphExecUpdate``: the driver checks that the two
-have one topology, and the kernels' parameters are cuBLAS's own): the host pays a capture,
-not an instantiation, and the GPU runs the graph (``"updated"`` in ``overlap.stats``). Before
-that, a call at new addresses ran eagerly and the next one captured a graph: a training step
-after other work (the model bench's modes in turns: 8B dims, 4 H100s, 2026-11-27) ran 8
-all-gathers eagerly, the next step captured them, and only the third replayed (19.6, 21.6
-and 14.1 ms; the all-gather never recorded: 17.0 ms every step).
+replays a graph of its record. A dense call's graph is pointed at them (``_rebind``: one
+driver call per node that holds them). The all-gather's graph (cuBLAS kernels, whose
+parameters ``_rebind`` cannot read for certain), and a dense one that ``_rebind.bind``
+refused, are not: a record keeps two graphs, the one it replayed last and a spare (the one
+before), and a call at the addresses of either replays it; at a third address set the
+spare's executable graph is updated from a capture of the call for them
+(``cuGraphExecUpdate``: the driver checks that both have one topology, and the kernels'
+parameters are cuBLAS's own) and replayed (``"updated"`` in ``overlap.stats``). Two address
+sets taking turns (a forward recomputed for its backward) replay without captures.
+
+Measured (the model bench's modes in turns, each a turn of three training steps after the
+others' steps, 8B dims, fused layout, 4x H100, 2026-11-27): while the all-gather's key held
+its addresses, a turn's first step ran its all-gathers eagerly and the second captured
+them; overlap_sp took 25.3 / 25.7 / 23.5 ms at TP 2 and 19.6 / 21.6 / 14.1 at TP 4. Updated
+graphs: 25.3 / 23.1 / 23.5 and 21.1 / 14.1 / 14.2 (one run: 19.0 / 13.9 / 14.1). A fresh
+capture instantiated instead of the update: 26.2 / 23.8 / 24.0 and 24.7 / 14.5 / 14.5; the
+all-gather never recorded: 17.0-17.3 ms every step at TP 4.
 
 The graphs of one transport (one group on one device) share a memory pool, its
 ``graph_pool``: a call's temporaries (counters, slots) die with it, so graphs captured later
