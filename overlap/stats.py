@@ -4,7 +4,8 @@ kept calls off the overlapped path.
 Every call of a public op counts once (``count``) under the op's name (the function the user
 called; a backward's overlapped input gradient under the op that computes it), keyed by what
 ran: ``"overlap via ce"``,
-``"overlap via torch"``, ``"replayed via ce"`` (a recorded call, ``ops/_record.py``) or
+``"overlap via torch"``, ``"replayed via ce"`` (a recorded call, ``ops/_record.py``),
+``"updated via ce"`` (a recorded call at new addresses, its graph updated) or
 ``"plain: <reason>"``. ``overlap.stats()`` returns the counts since the last reset.
 
 The notice goes through Python's ``logging`` (logger ``"overlap"``, level WARNING), once per
@@ -63,7 +64,7 @@ def stats(reset: bool = False) -> Stats:
 
     Returns:
         ``Stats`` (a dict ``{op: {how: calls}}``, ``how`` as "overlap via ce",
-        "replayed via ce", "plain: <reason>"); ``print(overlap.stats())`` shows a table.
+        "replayed via ce", "updated via ce", "plain: <reason>"); ``print(overlap.stats())`` shows a table.
     """
     out = Stats({op: dict(c) for op, c in _counts.items()})
     if reset:
