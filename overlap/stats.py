@@ -64,7 +64,8 @@ def stats(reset: bool = False) -> Stats:
 
     Returns:
         ``Stats`` (a dict ``{op: {how: calls}}``, ``how`` as "overlap via ce",
-        "replayed via ce", "updated via ce", "plain: <reason>"); ``print(overlap.stats())`` shows a table.
+        "replayed via ce", "updated via ce", "plain: <reason>"); ``print(overlap.stats())``
+        shows a table.
     """
     out = Stats({op: dict(c) for op, c in _counts.items()})
     if reset:
