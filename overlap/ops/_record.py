@@ -210,7 +210,9 @@ def _captured(call: Callable[[bool], None], ctx: Context, t: Transport, keep: bo
     return graph
 
 
-def _another(rec: Record, call, ctx: Context, t: Transport, at: tuple[int, ...]) -> tuple:
+def _another(
+    rec: Record, call: Callable[[bool], None], ctx: Context, t: Transport, at: tuple[int, ...]
+) -> tuple[Record, bool]:
     """``(rec for the tensors at at, whether updated)``: ``rec``'s graph is not rebound and
     neither it nor its spare replays for ``at``. Without a spare, a new graph captured for
     them; else the spare's executable graph updated from a capture for them (where the driver
