@@ -4,7 +4,8 @@ ops and the embedding-bag all-to-all too), dtypes, chunk counts and ops, every r
 against the plain torch path in fp32, memory tracked. Half the cases are issued ``REPEATS``
 times in a row with the same weight and fresh inputs, as a model's layer is: through the copy
 engines the second call records a CUDA graph and the third replays it, pointed at the new input
-and output (``ops/_record.py``); the JSON counts the replayed calls.
+and output (``ops/_record.py``; an all-gather's graph is updated for them, from the call after
+its record's first two address sets); the JSON counts the replayed and the updated calls.
 
     torchrun --nproc-per-node=2 tools/soak.py --seconds 90
 
@@ -353,12 +354,15 @@ def main() -> None:
             "seconds": round(elapsed, 1),
             "paths": paths,
             "validated_calls": validated,
-            "replayed_calls_rank0": sum(
-                n
-                for hows in overlap.stats().values()
-                for how, n in hows.items()
-                if how.startswith("replayed")
-            ),
+            **{
+                f"{kind}_calls_rank0": sum(
+                    n
+                    for hows in overlap.stats().values()
+                    for how, n in hows.items()
+                    if how.startswith(kind)
+                )
+                for kind in ("replayed", "updated")
+            },
             "failures": [f for fs in all_fail for f in fs][:50],
             "n_failures": sum(len(fs) for fs in all_fail),
             "worst_error_rank0": {k: float(f"{v:.3g}") for k, v in sorted(worst.items())},
