@@ -109,7 +109,7 @@ def _list_case(rank, R, seed, adjacent):
     """``all_gather_matmul(x, [w_0, w_1, w_2])``: the products, ``x_full`` and every gradient
     against float64, one call each way (one gather, one reduce-scatter of the summed input
     gradients), and the weights side by side without a copy where they are adjacent."""
-    from overlap.ops.gather import side_by_side
+    from overlap.ops._columns import side_by_side
 
     g = torch.Generator().manual_seed(seed)
     K, m, widths = 24, 20, (16, 8, 12)

@@ -4,6 +4,7 @@ and backward against float64 autograd over every rank's inputs (``_dist.check_gr
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import pytest
@@ -93,6 +94,28 @@ def _compiled_gather_and_layers(rank, R, seed, backend):
         why = mismatch(got, want, TOL[torch.float32])
         failures += [f"all_gather_matmul {what} rank {rank}: {why}"] if why else []
 
+    # a list of weights that are not adjacent: the op joins them where it runs (a copy)
+    @torch.compile(fullgraph=True, backend=backend)
+    def listed(x, a, b):
+        ya, yb = overlap.all_gather_matmul(x, [a.t(), b.t()], chunks=2)
+        return torch.cat([ya, 3 * yb], dim=1)
+
+    x = xs[rank].clone().requires_grad_()
+    a, b = (p.clone().requires_grad_() for p in ws[rank].split([20, 12]))
+    out = listed(x, a, b)
+    (out * gs[rank]).sum().backward()
+    scale = torch.tensor([1.0] * 20 + [3.0] * 12, dtype=torch.float64)
+    Xs = [t.double().requires_grad_() for t in xs]
+    Xf = torch.cat(Xs)
+    Ws = [t.double().requires_grad_() for t in ws]
+    sum(((Xf @ Ws[r].t()) * scale * gs[r].double()).sum() for r in range(R)).backward()
+    checks = (("y", out.detach(), (Xf @ Ws[rank].t() * scale).detach()),
+              ("dx", x.grad, Xs[rank].grad), ("da", a.grad, Ws[rank].grad[:20]),
+              ("db", b.grad, Ws[rank].grad[20:]))  # fmt: skip
+    for what, got, want in checks:
+        why = mismatch(got, want, TOL[torch.float32])
+        failures += [f"all_gather_matmul list {what} rank {rank}: {why}"] if why else []
+
     # the MLP of a transformer block, gate and up sharing their input, both ways
     for sp in (False, True):
         fulls = [nn.Linear(24, 64), nn.Linear(24, 64), nn.Linear(64, 24)]  # gate, up, down
@@ -117,9 +140,16 @@ def _compiled_gather_and_layers(rank, R, seed, backend):
         mine = slice(rank * T, (rank + 1) * T) if sp else slice(None)
         xin = x_full[mine].clone().requires_grad_()
         overlap.stats(reset=True)
-        out = mlp(xin)
-        (out * g_full[mine]).sum().backward()
+        with _weights_seen() as seen:
+            out = mlp(xin)
+            (out * g_full[mine]).sum().backward()
         calls = sum(sum(h.values()) for h in overlap.stats(reset=True).values())
+        # sequence parallel: gate and up reach the engine side by side where they lie (a
+        # copy made in the graph would be at a new address at every call: records churn)
+        own = {gate.weight.data_ptr(), down.weight.data_ptr()}
+        if sp and not seen <= own:
+            failures.append(f"layers sp={sp} rank {rank}: the engine got weights at "
+                            f"{sorted(seen - own)}, not the layers' own {sorted(own)}")  # fmt: skip
         if calls != (4 if sp else 2):  # gate and up: one gather (sp) and one input gradient
             failures.append(f"layers sp={sp} rank {rank}: {calls} calls of the library's ops")
         n = 64 // R
@@ -132,6 +162,31 @@ def _compiled_gather_and_layers(rank, R, seed, backend):
             why = mismatch(got, want, TOL[torch.float32])
             failures += [f"layers sp={sp} {what} rank {rank}: {why}"] if why else []
     return failures
+
+
+@contextlib.contextmanager
+def _weights_seen():
+    """The addresses of the weights the call engine is given (``run_before``, ``run_after``)
+    while the block runs."""
+    from overlap.ops import dense, gather
+
+    seen, patched = set(), [(dense, "run_after"), (dense, "run_before"), (gather, "run_before")]
+    real = [getattr(mod, name) for mod, name in patched]
+
+    def spy(fn):
+        def wrapped(x, w, *args):
+            seen.add(w.data_ptr())
+            return fn(x, w, *args)
+
+        return wrapped
+
+    for (mod, name), fn in zip(patched, real, strict=True):
+        setattr(mod, name, spy(fn))
+    try:
+        yield seen
+    finally:
+        for (mod, name), fn in zip(patched, real, strict=True):
+            setattr(mod, name, fn)
 
 
 def copy_double(m):

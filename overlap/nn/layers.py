@@ -57,7 +57,7 @@ from torch import nn
 from ..context import check_group
 from ..ops import all_gather_matmul, matmul_allreduce, matmul_reduce_scatter
 from ..ops._checks import world
-from ..ops.gather import side_by_side
+from ..ops._columns import side_by_side
 
 
 def _rank_size(group: dist.ProcessGroup | None) -> tuple[int, int]:

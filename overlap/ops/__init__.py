@@ -8,6 +8,8 @@
 - ``bags.py``: ``embedding_bag_all_to_all``;
 - ``_record.py``: recorded calls (a repeated eager call replays a CUDA graph), and
   ``_rebind.py``: such a graph pointed at the tensors of the call that replays it;
+- ``_columns.py``: a list of weights side by side (a view where they are adjacent), joined
+  where a call runs, also under ``torch.compile``;
 - ``_autograd.py``: each differentiable op as a custom op (``torch.compile``) and as an
   ``autograd.Function`` over the same body (eager autograd, less host time).
 

@@ -29,6 +29,7 @@ from ..collectives import collective
 from . import exchange
 from ._autograd import call, custom_op, differentiable
 from ._checks import check_operands, check_splits, group_of, via_op, world
+from ._columns import joined
 from ._engine import plain_again, run_after, run_before
 
 
@@ -203,7 +204,7 @@ def _(x, w, collective_name, group, op, backend, chunks, label, sends=None, rece
 @custom_op("overlap::matmul_collective_backward")
 def _backward_op(
     g: torch.Tensor, x: torch.Tensor, w: torch.Tensor, collective_name: str, group: str, op: str,
-    need_dx: bool, need_dw: bool, g_x: torch.Tensor | None = None,
+    need_dx: bool, need_dw: bool, others: list[torch.Tensor], g_x: torch.Tensor | None = None,
     sends: list[int] | None = None, receives: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``(dx [.., K], dw^T [N, K])`` of ``matmul_collective`` or ``all_gather_matmul`` (empty
@@ -214,7 +215,9 @@ def _backward_op(
     result's gradient ``g``. ``x``: the forward's input (the all-gather's: ``x_full``, and
     ``dx`` is then this rank's ``[m, K]``); ``g_x``: the gradient of ``x_full`` where the
     caller used it, else None; ``sends``, ``receives``: an uneven all-to-all's splits (its
-    backward is the all-to-all back, ``Collective.backward``).
+    backward is the all-to-all back, ``Collective.backward``); ``others``: the all-gather's
+    further weights, side by side with ``w`` (``_columns``: joined here, where the call runs;
+    ``dw^T`` is then ``[sum N_i, K]``).
 
     Where the collective has a ``dual`` (``overlap/collectives.py``), ``dx`` is the dual's
     overlapped matmul of ``g`` and ``w^T``: reduce-scatter's is ``all_gather_matmul(g, w^T)``,
@@ -225,6 +228,7 @@ def _backward_op(
     pg = group_of(group)
     R = world(pg)
     spec = collective(collective_name)
+    w = joined([w, *others]) if others else w
     # (math.prod, not -1: K or N may be 0)
     g2 = g.reshape(math.prod(g.shape[:-1]), w.shape[1]).contiguous()
     x2 = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
@@ -261,11 +265,13 @@ def _backward_op(
 
 
 @_backward_op.register_fake
-def _(g, x, w, collective_name, group, op, need_dx, need_dw, g_x=None, sends=None, receives=None):
+def _(g, x, w, collective_name, group, op, need_dx, need_dw, others, g_x=None, sends=None,
+      receives=None):  # fmt: skip
     dx_shape = x.shape
     if collective(collective_name).before:
         dx_shape = (x.shape[0] // world(group_of(group)), x.shape[1])
-    dw_t = w.new_empty((w.shape[1], w.shape[0]) if need_dw else 0)
+    N = w.shape[1] + sum(o.shape[1] for o in others)
+    dw_t = w.new_empty((N, w.shape[0]) if need_dw else 0)
     return x.new_empty(dx_shape if need_dx else 0), dw_t
 
 
@@ -280,7 +286,7 @@ def _backward(ctx, g):
     need_dx, need_dw = ctx.needs_input_grad[:2]
     extra = (None, *ctx.splits) if ctx.splits and ctx.splits[0] is not None else ()
     dx, dw_t = call(ctx, _backward_op, g, x, w, ctx.collective, ctx.group, ctx.op, need_dx,
-                    need_dw, *extra)  # fmt: skip
+                    need_dw, [], *extra)  # fmt: skip
     return (dx if need_dx else None, dw_t.t() if need_dw else None,
             *([None] * (len(ctx.needs_input_grad) - 2)))  # fmt: skip
 

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from ._autograd import call, custom_op, differentiable
 from ._checks import check_operands, group_of, needs_grad, via_op, world
+from ._columns import joined, side_by_side
 from ._engine import run_before
 from .dense import _backward_op
 
@@ -64,59 +65,69 @@ def all_gather_matmul(
             different sizes included.
         TimeoutError: (validation mode) as ``matmul_collective``'s.
     """
+    if not isinstance(return_gathered, bool):
+        raise TypeError(f"return_gathered must be a bool, got {type(return_gathered).__name__}")
     if isinstance(w, (list, tuple)):
         sizes = _check_columns(x, w, out, backend, group, chunks)
-        res = all_gather_matmul(x, side_by_side(w), group=group, backend=backend, chunks=chunks,
-                                return_gathered=return_gathered)  # fmt: skip
-        y, full = res if return_gathered else (res, None)
+        # (under torch.compile the op joins them where it runs: ``_columns``)
+        w, others = (w[0], list(w[1:])) if torch.compiler.is_compiling() else (side_by_side(w), [])
+        y, full = _gathered(x, w, others, group, return_gathered, None, backend, chunks)
         ys = list(y.split(sizes, dim=1))
         return (ys, full) if return_gathered else ys
     check_operands(x, w, "all_gather", "sum", backend, group, chunks)
-    if not isinstance(return_gathered, bool):
-        raise TypeError(f"return_gathered must be a bool, got {type(return_gathered).__name__}")
+    y, full = _gathered(x, w, [], group, return_gathered, out, backend, chunks)
+    return (y, full) if return_gathered else y
+
+
+def _gathered(x, w, others, group, return_gathered, out, backend, chunks):
+    """``(x_full @ [w, *others] side by side, x_full or None)``, checked arguments: through
+    the custom op where autograd or ``torch.compile`` needs it, else directly."""
     gname = via_op(x, w, out, group)
     if gname is not None:
-        keep = return_gathered or needs_grad(x, w)  # the backward needs x_full
-        y, full = _differentiable(x, w, gname, backend, chunks, keep)
-        return (y, full) if return_gathered else y
-    y, full = run_before(x, w, group, out, backend, chunks, return_gathered)
-    return (y, full) if return_gathered else y
+        keep = return_gathered or needs_grad(x, w, *others)  # the backward needs x_full
+        return _differentiable(x, w, gname, backend, chunks, keep, others)
+    return run_before(x, w, group, out, backend, chunks, return_gathered)
 
 
 @custom_op("overlap::all_gather_matmul")
 def _all_gather_matmul_op(
-    x: torch.Tensor, w: torch.Tensor, group: str, backend: str, chunks: int | None, keep: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
+    x: torch.Tensor, w: torch.Tensor, group: str, backend: str, chunks: int | None, keep: bool,
+    others: list[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``all_gather_matmul`` as a custom op: ``(result, x_full)`` (``x_full`` empty unless
-    ``keep``); ``group``: the group's name, "" for None."""
-    return run_before(x, w, group_of(group), None, backend, chunks, keep)
+    ``keep``); ``group``: the group's name, "" for None; ``others``: further weights, side by
+    side with ``w`` (``_columns``; empty outside ``torch.compile``)."""
+    return run_before(x, joined([w, *others]), group_of(group), None, backend, chunks, keep)
 
 
 @_all_gather_matmul_op.register_fake
-def _(x, w, group, backend, chunks, keep):
+def _(x, w, group, backend, chunks, keep, others):
     M = math.prod(x.shape[:-1]) * world(group_of(group))
-    return x.new_empty(M, w.shape[1]), x.new_empty((M, x.shape[-1]) if keep else 0)
+    N = w.shape[1] + sum(o.shape[1] for o in others)
+    return x.new_empty(M, N), x.new_empty((M, x.shape[-1]) if keep else 0)
 
 
 def _gather_setup(ctx, inputs, output) -> None:
     x, w, ctx.group = inputs[:3]
     ctx.shape = x.shape
-    ctx.save_for_backward(output[1], w)
+    ctx.save_for_backward(output[1], w, *inputs[6])
     ctx.set_materialize_grads(False)  # an unused x_full gets no gradient (None)
 
 
 def _gather_backward(ctx, g, g_full):
-    full, w = ctx.saved_tensors
+    full, w, *others = ctx.saved_tensors
     need_dx, need_dw = ctx.needs_input_grad[:2]
+    widths = [w.shape[1], *(o.shape[1] for o in others)]
     if g is None:
-        g = full.new_zeros(full.shape[0], w.shape[1])
+        g = full.new_zeros(full.shape[0], sum(widths))
     if g_full is not None and g_full.numel() == 0:
         g_full = None
     extra = () if g_full is None else (g_full,)  # (inductor drops a None passed for it)
     dx, dw_t = call(ctx, _backward_op, g, full, w, "all_gather", ctx.group, "sum", need_dx,
-                    need_dw, *extra)  # fmt: skip
-    return (dx.reshape(ctx.shape) if need_dx else None, dw_t.t() if need_dw else None,
-            None, None, None, None)  # fmt: skip
+                    need_dw, others, *extra)  # fmt: skip
+    dws = [part.t() for part in dw_t.split(widths)] if need_dw else [None] * len(widths)
+    rest = None if getattr(ctx, "eager", False) else dws[1:]  # (the Function's, the op's)
+    return dx.reshape(ctx.shape) if need_dx else None, dws[0], None, None, None, None, rest
 
 
 _differentiable = differentiable(_all_gather_matmul_op, _gather_setup, _gather_backward)
@@ -135,50 +146,3 @@ def _check_columns(x, ws, out, backend, group, chunks) -> list[int]:
         except (TypeError, ValueError) as e:
             raise type(e)(f"w[{i}]: {e}") from None
     return [wi.shape[1] for wi in ws]
-
-
-def side_by_side(ws: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``ws [K, N_i]`` (checked, same dtype and device) as one ``[K, sum N_i]`` in
-    ``weight.t()``'s layout, differentiable: a view of their memory where they are adjacent
-    (``ws[i].t()`` consecutive row blocks of one contiguous tensor: ``overlap.nn.share_input``
-    lays sibling weights out so), else a copy (``torch.cat``; always under ``torch.compile``,
-    whose fake tensors have no addresses). The gradient goes back as column views."""
-    if len(ws) == 1:
-        return ws[0]
-    if torch.is_grad_enabled() and any(wi.requires_grad for wi in ws):
-        return _SideBySide.apply(*ws)
-    return _joined(ws)
-
-
-def _joined(ws: Sequence[torch.Tensor]) -> torch.Tensor:
-    first, K = ws[0], ws[0].shape[0]
-    if not torch.compiler.is_compiling() and _adjacent(ws):
-        return first.as_strided((K, sum(wi.shape[1] for wi in ws)), (1, K))
-    return torch.cat([wi.t() for wi in ws]).t()
-
-
-def _adjacent(ws: Sequence[torch.Tensor]) -> bool:
-    """``ws[i]`` is ``[K, N_i]`` with strides ``(1, K)``, each starting where the previous
-    ends, in one storage."""
-    K, step, at = ws[0].shape[0], ws[0].element_size(), ws[0].data_ptr()
-    storage = ws[0].untyped_storage().data_ptr()
-    for wi in ws:
-        if wi.stride() != (1, K) or wi.data_ptr() != at:
-            return False
-        if wi.untyped_storage().data_ptr() != storage:
-            return False
-        at += wi.shape[1] * K * step
-    return True
-
-
-class _SideBySide(torch.autograd.Function):
-    """``side_by_side`` under autograd: the gradient ``[K, sum N_i]`` back as column views."""
-
-    @staticmethod
-    def forward(ctx, *ws):  # noqa: D102
-        ctx.sizes = [wi.shape[1] for wi in ws]
-        return _joined(ws)
-
-    @staticmethod
-    def backward(ctx, g):  # noqa: D102
-        return g.split(ctx.sizes, dim=1)
