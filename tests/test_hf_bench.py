@@ -33,10 +33,12 @@ def test_hf_bench_cpu(tmp_path):
     assert [r["mode"] for r in res["rows"]] == list(MODES)
     for r in res["rows"]:
         plain = r["mode"].startswith("plain")
-        library = r["paths"]["overlap"] + r["paths"]["replayed"]
-        assert (r["paths"]["plain"] if plain else library) > 0, r
-        assert (library if plain else r["paths"]["plain"]) == 0, r
-        assert r["prefill_ms"] > 0 and r["train_ms"] > 0
+        for kind in ("prefill", "train"):  # every step of every turn on the mode's own path
+            by = r["paths"][kind]
+            library = by["overlap"] + by["replayed"] + by["updated"]
+            assert (by["plain"] if plain else library) > 0, r
+            assert (library if plain else by["plain"]) == 0, r
+            assert len(r[f"{kind}_turn_ms"]) == 3 and r[f"{kind}_ms"] > 0
     assert set(res["errors"]) == set(MODES)
     for errs in res["errors"].values():
         assert set(errs) == {"output", "weight_grad"}

@@ -157,6 +157,32 @@ def time_turns(fns: dict, iters: int, warmup: int, cuda: bool, calls: int = 1) -
     return {k: [max(e[k][j] for e in every) for j in range(calls)] for k in fns}
 
 
+def time_steps(ready: dict, iters: int, warmup: int, cuda: bool, calls: int) -> dict:
+    """Every mode's two steps (``ready[mode] = (prefill, train)``) timed taking turns of
+    ``calls`` steps (``time_turns``: the modes see the GPU's clock drift alike). Per mode:
+    ``prefill_ms`` and ``train_ms`` (the last step of a turn, median), ``prefill_turn_ms`` and
+    ``train_turn_ms`` (every step's: the first runs after the other modes' steps) and
+    ``paths``, the library's calls by path over every step, per step kind."""
+    counts: dict = {mode: {} for mode in ready}
+
+    def counted(mode, i: int):
+        by = counts[mode].setdefault(("prefill", "train")[i], {})
+
+        def step():
+            paths()
+            ready[mode][i]()
+            for how, n in paths().items():
+                by[how] = by.get(how, 0) + n
+
+        return step
+
+    fns = {(mode, i): counted(mode, i) for i in range(2) for mode in ready}
+    t = time_turns(fns, iters, warmup, cuda, calls=calls)
+    return {mode: dict(prefill_ms=t[(mode, 0)][-1], train_ms=t[(mode, 1)][-1],
+                       prefill_turn_ms=t[(mode, 0)], train_turn_ms=t[(mode, 1)],
+                       paths=counts[mode]) for mode in ready}  # fmt: skip
+
+
 def write_json(args, dev, R: int, timing_meaningful: bool, rows, errors, tol: float) -> None:
     """Rank 0's JSON (configuration, device, versions, date, rows, errors), after the
     tool's table; says so when the timings mean nothing."""

@@ -23,13 +23,15 @@ Modes:
 =================  ============================================================================
 
 The plain path is forced as where ``overlap.tune`` measured it fastest (every call's tuned
-choice "plain"; the calls' memo forgotten between modes); the layers are the same in every
-mode, and each row counts its calls by path (``paths``: replayed, overlapped eagerly, plain).
-Per mode: ``prefill`` (forward under ``no_grad``) and ``train`` (forward + backward of
-``(h * g).sum()`` on the last hidden state ``h``), median ms, the slowest rank's; speedups
-over ``plain`` and ``plain_c``; the output's and the projections' weight gradients' relative
-errors against ``plain``'s (``plain_c``'s for the compiled modes where it ran; 3e-2 for bf16,
-1e-4 for fp32, or the run fails).
+choice "plain"); the layers are the same in every mode, and each row counts its calls by
+path (``paths``, per step kind: replayed, updated, overlapped eagerly, plain). Every mode is
+built, compiled and checked first (all alive at once); then the modes' steps take turns of
+three, as in ``model_bench.py`` (``_benchrun.time_steps``). Per mode: ``prefill`` (forward
+under ``no_grad``) and ``train`` (forward + backward of ``(h * g).sum()`` on the last hidden
+state ``h``), ms of a turn's last step (median; every step's in ``*_turn_ms``), the slowest
+rank's; speedups over ``plain`` and ``plain_c``; the output's and the projections' weight
+gradients' relative errors against ``plain``'s (``plain_c``'s for the compiled modes where it
+ran; 3e-2 for bf16, 1e-4 for fp32, or the run fails).
 
     python tools/hf_bench.py                       # no GPU: 2 CPU ranks, small sizes, fp32
     torchrun --nproc-per-node=N tools/hf_bench.py [--dims 70b] [--family qwen3]
@@ -49,15 +51,13 @@ from _benchrun import (
     add_options,
     fill_defaults,
     launch,
-    paths,
     rel_err,
-    time_ms,
+    time_steps,
     write_json,
 )
-from model_bench import DIMS, add_dims
+from model_bench import DIMS, TURN, add_dims
 
 import overlap
-from overlap.context import calls
 from overlap.ops import _engine
 
 SMALL = dict(layers=2, seq=32)
@@ -68,18 +68,27 @@ FAMILIES = {"llama": ("LlamaConfig", "LlamaModel"), "qwen3": ("Qwen3Config", "Qw
 
 @contextlib.contextmanager
 def _plain_path(on: bool):
-    """Every library call on its plain path while ``on``, as where ``overlap.tune`` measured
-    it fastest (``_engine.tuned``); the calls' memo forgotten on entry and exit, so that no
-    decision crosses modes."""
+    """Every library call decided while ``on`` takes its plain path, as where
+    ``overlap.tune`` measured it fastest (``_engine.tuned``). The calls' memo keeps each
+    decision, keyed by the weight's address: the modes' models are alive together (distinct
+    weights), so no decision crosses modes."""
     tuned = _engine.tuned
-    calls.clear()
     if on:
         _engine.tuned = lambda key: "plain"
     try:
         yield
     finally:
         _engine.tuned = tuned
-        calls.clear()
+
+
+def _forced(on: bool, fn):
+    """``fn`` called under ``_plain_path(on)``."""
+
+    def call():
+        with _plain_path(on):
+            return fn()
+
+    return call
 
 
 def _whole(args, dtype, dev):
@@ -123,6 +132,11 @@ def _errors(run, model, ids, g, ref: dict) -> dict:
     return {k: max(e[k] for e in every) for k in errs}
 
 
+def _turn(row: dict, what: str) -> str:
+    """A row's steps of a turn, ms."""
+    return ", ".join(f"{t:.2f}" for t in row[f"{what}_turn_ms"])
+
+
 def _ratio(row: dict, base: str) -> str:
     """``row``'s prefill / train speedup over mode ``base`` ("-" where it did not run)."""
     p, t = row[f"prefill_x_{base}"], row[f"train_x_{base}"]
@@ -138,30 +152,28 @@ def bench(args: argparse.Namespace, dev: torch.device, timing_meaningful: bool) 
     gen = torch.Generator(device=dev).manual_seed(1)
     ids = torch.randint(0, whole.config.vocab_size, (1, args.seq), device=dev, generator=gen)
     g = torch.randn(1, args.seq, whole.config.hidden_size, dtype=dtype, device=dev, generator=gen)
-    rows, errors, refs = [], {}, {}
-    for mode in args.modes:
+    ready, errors, refs, alive = {}, {}, {}, []
+    for mode in args.modes:  # every mode built, compiled and checked first, then timed in turns
         model = overlap.nn.parallelize(copy.deepcopy(whole), sequence_parallel="_sp" in mode)
-        compiled = mode.endswith("_c")
+        compiled, plain = mode.endswith("_c"), mode.startswith("plain")
         run = torch.compile(model, fullgraph=True) if compiled else model
-        overlap.stats(reset=True)
-        with _plain_path(mode.startswith("plain")):
-            if mode.startswith("plain") and compiled not in refs:
+        with _plain_path(plain):
+            if plain and compiled not in refs:
                 refs[compiled] = dict(mode=mode, h=_step(run, ids, g), grads=_proj_grads(model))
             ref = refs.get(compiled, refs[False])
             errors[mode] = _errors(run, model, ids, g, ref)
-            bad = {k: v for k, v in errors[mode].items() if not v < tol}
-            if bad:
-                raise RuntimeError(f"{mode} disagrees with {ref['mode']}: {bad} > {tol}")
-            with torch.no_grad():
-                pre = time_ms(lambda run=run: run(ids), args.iters, args.warmup, dev.type == "cuda")
-            train = time_ms(lambda run=run: _step(run, ids, g), args.iters, args.warmup,
-                            dev.type == "cuda")  # fmt: skip
-        rows.append(dict(mode=mode, prefill_ms=pre, train_ms=train, paths=paths()))
-        if dist.get_rank() == 0:
-            print(f"{mode}: prefill {pre:.3f} ms, train {train:.3f} ms", flush=True)
-        del model, run
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
+        bad = {k: v for k, v in errors[mode].items() if not v < tol}
+        if bad:
+            raise RuntimeError(f"{mode} disagrees with {ref['mode']}: {bad} > {tol}")
+        ready[mode] = (_forced(plain, torch.no_grad()(lambda run=run: run(ids))),
+                       _forced(plain, lambda run=run: _step(run, ids, g)))  # fmt: skip
+        alive.append(model)
+    timed = time_steps(ready, args.iters, args.warmup, dev.type == "cuda", TURN)
+    rows = [dict(mode=mode, **r) for mode, r in timed.items()]
+    if dist.get_rank() == 0:
+        for r in rows:
+            print(f"{r['mode']}: prefill {r['prefill_ms']:.3f} ms, train {r['train_ms']:.3f} ms "
+                  f"(turns {_turn(r, 'prefill')} / {_turn(r, 'train')})", flush=True)  # fmt: skip
     for base in ("plain", "plain_c"):
         other = [r for r in rows if r["mode"] == base]
         for r in rows:

@@ -82,9 +82,8 @@ from _benchrun import (
     add_options,
     fill_defaults,
     launch,
-    paths,
     rel_err,
-    time_turns,
+    time_steps,
     write_json,
 )
 from torch import nn
@@ -474,36 +473,21 @@ def _steps(model: nn.Module, xs: torch.Tensor, gs: torch.Tensor, mode: str) -> t
 
 def _timed(args, layout: str, ready: dict, rank: int, cuda: bool) -> list[dict]:
     """Every ready mode's prefill and train steps timed taking turns of ``TURN`` steps
-    (``time_turns``: the modes see the GPU's clock drift alike); their rows: the last step's
-    median (``*_ms``), every step's (``*_turn_ms``: the first runs after the other modes'
-    steps) and the library's calls by path over every step (``paths``)."""
-    counts = {k: {} for k in ready}
-
-    def counted(mode: str, i: int):  # each step's calls by path (overlap.stats), per mode
-        by = counts[mode].setdefault(("prefill", "train")[i], {})
-
-        def step():
-            paths()
-            ready[mode][i]()
-            for how, n in paths().items():
-                by[how] = by.get(how, 0) + n
-
-        return step
-
-    fns = {(mode, i): counted(mode, i) for i in range(2) for mode in ready}
-    t = time_turns(fns, args.iters, args.warmup, cuda, calls=TURN)
+    (``time_steps``); their rows: the last step's median (``*_ms``), every step's
+    (``*_turn_ms``) and the library's calls by path over every step (``paths``)."""
+    timed = time_steps(ready, args.iters, args.warmup, cuda, TURN)
     rows, T = [], args.seq
-    for mode in ready:
-        pre, train = t[(mode, 0)][-1], t[(mode, 1)][-1]
+    for mode, r in timed.items():
+        pre, train = r["prefill_ms"], r["train_ms"]
         rows.append(dict(layout=layout, mode=mode, sequence_parallel=mode in SP,
                          compiled=mode in COMPILED and not args.eager, prefill_ms=pre,
                          train_ms=train, prefill_tok_s=T / pre * 1e3,
-                         train_tok_s=T / train * 1e3, prefill_turn_ms=t[(mode, 0)],
-                         train_turn_ms=t[(mode, 1)], paths=counts[mode]))  # fmt: skip
+                         train_tok_s=T / train * 1e3, prefill_turn_ms=r["prefill_turn_ms"],
+                         train_turn_ms=r["train_turn_ms"], paths=r["paths"]))  # fmt: skip
         if rank == 0:
             by = ", ".join(
                 f"{ph} {c['replayed']} replayed / {c['updated']} updated / {c['overlap']} eager"
-                for ph, c in counts[mode].items()
+                for ph, c in r["paths"].items()
                 if c["replayed"] + c["updated"] + c["overlap"]
             )
             print(
