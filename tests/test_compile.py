@@ -100,21 +100,27 @@ def _compiled_gather_and_layers(rank, R, seed, backend):
         ya, yb = overlap.all_gather_matmul(x, [a.t(), b.t()], chunks=2)
         return torch.cat([ya, 3 * yb], dim=1)
 
-    x = xs[rank].clone().requires_grad_()
-    a, b = (p.clone().requires_grad_() for p in ws[rank].split([20, 12]))
-    out = listed(x, a, b)
-    (out * gs[rank]).sum().backward()
     scale = torch.tensor([1.0] * 20 + [3.0] * 12, dtype=torch.float64)
     Xs = [t.double().requires_grad_() for t in xs]
     Xf = torch.cat(Xs)
     Ws = [t.double().requires_grad_() for t in ws]
     sum(((Xf @ Ws[r].t()) * scale * gs[r].double()).sum() for r in range(R)).backward()
-    checks = (("y", out.detach(), (Xf @ Ws[rank].t() * scale).detach()),
-              ("dx", x.grad, Xs[rank].grad), ("da", a.grad, Ws[rank].grad[:20]),
-              ("db", b.grad, Ws[rank].grad[20:]))  # fmt: skip
-    for what, got, want in checks:
-        why = mismatch(got, want, TOL[torch.float32])
-        failures += [f"all_gather_matmul list {what} rank {rank}: {why}"] if why else []
+    for frozen in (False, True):  # the first weight frozen: the others still get gradients
+        x = xs[rank].clone().requires_grad_()
+        a, b = (p.clone().requires_grad_() for p in ws[rank].split([20, 12]))
+        a.requires_grad_(not frozen)
+        out = listed(x, a, b)
+        (out * gs[rank]).sum().backward()
+        checks = [("y", out.detach(), (Xf @ Ws[rank].t() * scale).detach()),
+                  ("dx", x.grad, Xs[rank].grad), ("db", b.grad, Ws[rank].grad[20:])]  # fmt: skip
+        checks += [] if frozen else [("da", a.grad, Ws[rank].grad[:20])]
+        if frozen and a.grad is not None:
+            failures.append(f"all_gather_matmul list rank {rank}: a frozen weight got a gradient")
+        for what, got, want in checks:
+            why = "None" if got is None else mismatch(got, want, TOL[torch.float32])
+            failures += (
+                [f"all_gather_matmul list frozen={frozen} {what} rank {rank}: {why}"] if why else []
+            )
 
     # the MLP of a transformer block, gate and up sharing their input, both ways
     for sp in (False, True):

@@ -117,6 +117,7 @@ def _gather_setup(ctx, inputs, output) -> None:
 def _gather_backward(ctx, g, g_full):
     full, w, *others = ctx.saved_tensors
     need_dx, need_dw = ctx.needs_input_grad[:2]
+    need_dw = need_dw or any(ctx.needs_input_grad[6] or ())  # (the op's: one bool per other)
     widths = [w.shape[1], *(o.shape[1] for o in others)]
     if g is None:
         g = full.new_zeros(full.shape[0], sum(widths))
