@@ -24,7 +24,7 @@ def test_eager_autograd_takes_the_function():
          lambda a, b: torch.ops.overlap.matmul_collective(a, b, "all_reduce", "", "sum",
                                                           "auto", None, "matmul_collective")),
         ("all_gather_matmul", lambda a, b: overlap.all_gather_matmul(a, b),
-         lambda a, b: torch.ops.overlap.all_gather_matmul(a, b, "", "auto", None, True)[0]),
+         lambda a, b: torch.ops.overlap.all_gather_matmul(a, b, "", "auto", None, True, [])[0]),
     ):  # fmt: skip
         fn_e, y_e, dx_e, dw_e = _grads(eager, x, w, g)
         fn_o, y_o, dx_o, dw_o = _grads(op, x, w, g)
