@@ -152,8 +152,8 @@ def bench(args: argparse.Namespace, dev: torch.device, timing_meaningful: bool) 
     gen = torch.Generator(device=dev).manual_seed(1)
     ids = torch.randint(0, whole.config.vocab_size, (1, args.seq), device=dev, generator=gen)
     g = torch.randn(1, args.seq, whole.config.hidden_size, dtype=dtype, device=dev, generator=gen)
-    ready, errors, refs, alive = {}, {}, {}, []
-    for mode in args.modes:  # every mode built, compiled and checked first, then timed in turns
+    ready, errors, refs = {}, {}, {}
+    for mode in args.modes:  # every mode built and checked first (its steps keep it alive)
         model = overlap.nn.parallelize(copy.deepcopy(whole), sequence_parallel="_sp" in mode)
         compiled, plain = mode.endswith("_c"), mode.startswith("plain")
         run = torch.compile(model, fullgraph=True) if compiled else model
@@ -167,7 +167,6 @@ def bench(args: argparse.Namespace, dev: torch.device, timing_meaningful: bool) 
             raise RuntimeError(f"{mode} disagrees with {ref['mode']}: {bad} > {tol}")
         ready[mode] = (_forced(plain, torch.no_grad()(lambda run=run: run(ids))),
                        _forced(plain, lambda run=run: _step(run, ids, g)))  # fmt: skip
-        alive.append(model)
     timed = time_steps(ready, args.iters, args.warmup, dev.type == "cuda", TURN)
     rows = [dict(mode=mode, **r) for mode, r in timed.items()]
     if dist.get_rank() == 0:
