@@ -18,6 +18,7 @@ from torch import nn
 
 import overlap
 from overlap.nn import ColumnParallelLinear, RowParallelLinear, share_input
+from overlap.nn.layers import _products
 
 TOL = 1e-5
 
@@ -137,6 +138,9 @@ def _siblings_case(rank, R, seed, sp):
         fused += layer.weight.numel() * layer.weight.element_size()
     T = x_full.shape[0] // R
     mine = slice(rank * T, (rank + 1) * T) if sp else slice(None)
+    products = _products(layers, x_full[mine])  # (no bias: the layers' adds make a copy)
+    if not sp and not all(y.is_contiguous() for y in products):  # one product per weight
+        return f"{name}: products not contiguous: {[y.stride() for y in products]}"
     for step in range(2):  # (the second step: the products of the first were all taken)
         for layer in layers:
             layer.zero_grad()

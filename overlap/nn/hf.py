@@ -81,8 +81,8 @@ def parallelize(
     ``[s / R, b, h]`` shards.
 
     Column layers of one module that take inputs of one width (q/k/v, gate/up) share their
-    input (``share_input``): one gather of it, or one matmul, and one collective for their
-    input gradient.
+    input (``share_input``): one gather of it (sequence parallel), and one collective for
+    their input gradient.
 
     At world size 1 (or without an initialized process group and ``group=None``) it returns
     ``model`` unchanged.

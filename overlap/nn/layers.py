@@ -57,7 +57,7 @@ from torch import nn
 from ..context import check_group
 from ..ops import all_gather_matmul, matmul_allreduce, matmul_reduce_scatter
 from ..ops._checks import world
-from ..ops._columns import side_by_side
+from ..ops._columns import joined
 
 
 def _rank_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
@@ -81,25 +81,30 @@ def _gather(y: torch.Tensor, group, R: int, dim: int) -> torch.Tensor:
 
 
 class _Column(torch.autograd.Function):
-    """``x @ w.t()`` of a replicated input whose gradient is summed over the ranks (each
-    rank's products use ``x``), overlapped: ``matmul_allreduce(g, w)``. ``w``: the weight
-    shard ``[out / R, in]``."""
+    """``x @ w_i.t()`` for each weight shard ``w_i [N_i, in]`` of column layers sharing a
+    replicated input whose gradient is summed over the ranks (each rank's products use
+    ``x``): one product per weight, contiguous, as plain torch's separate projections (eager
+    elementwise ops and attention on column views of one product ran up to 1.7x longer:
+    BENCHMARKS.md, "The model step"); the input gradient is one overlapped
+    ``matmul_allreduce`` of the products' gradients side by side and the weights'."""
 
     @staticmethod
-    def forward(ctx, x, w, group):  # noqa: D102
-        ctx.save_for_backward(x, w)
+    def forward(ctx, x, group, *ws):  # noqa: D102
+        ctx.save_for_backward(x, *ws)
         ctx.group = group
-        return x @ w.t()
+        return tuple(x @ w.t() for w in ws)
 
     @staticmethod
-    def backward(ctx, g):  # noqa: D102
-        x, w = ctx.saved_tensors
-        dx = dw = None
+    def backward(ctx, *gs):  # noqa: D102  (gs: zeros for unused products)
+        x, *ws = ctx.saved_tensors
+        dx = None
         if ctx.needs_input_grad[0]:
-            dx = matmul_allreduce(g, w, group=ctx.group)
-        if ctx.needs_input_grad[1]:
-            dw = g.reshape(-1, g.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
-        return dx, dw, None
+            g = gs[0] if len(gs) == 1 else torch.cat(gs, dim=-1)
+            dx = matmul_allreduce(g, joined([w.t() for w in ws]).t(), group=ctx.group)
+        x2 = x.reshape(-1, x.shape[-1])
+        dws = [g.reshape(-1, g.shape[-1]).t() @ x2 if need else None
+               for g, need in zip(gs, ctx.needs_input_grad[2:], strict=True)]  # fmt: skip
+        return dx, None, *dws
 
 
 class _Gather(torch.autograd.Function):
@@ -309,18 +314,18 @@ def share_input(*layers: ColumnParallelLinear) -> None:
     """Declares column layers that are called on one input, one after another (q/k/v of an
     attention, gate/up of an MLP): the first call computes every layer's product, with one
     gather of the input under sequence parallelism (``all_gather_matmul`` of the list of
-    weights) and one matmul otherwise, and the backward sums their input gradients in one
-    overlapped collective (one reduce-scatter, or one all-reduce, instead of one per layer);
-    the other layers take their products. ``overlap.nn.parallelize`` calls it for the column
+    weights; otherwise one product per weight), and the backward sums their input gradients in
+    one overlapped collective (one reduce-scatter, or one all-reduce, instead of one per
+    layer); the other layers take their products. ``overlap.nn.parallelize`` calls it for the column
     layers of each module that share an input.
 
-    The layers' weights move into one tensor (each ``weight`` stays the same ``Parameter``,
-    now a view of it; make optimizers after this call or before, either works), so that the
-    products multiply by all of them without a copy. A layer called on another tensor than
-    the one its siblings were last called on (or on one modified in place since) computes
-    every product afresh; one called while a sibling has not yet taken its product from the
-    last input stops the sharing for good (the layers are evidently not called on one input),
-    and each layer then computes alone, as before this call.
+    The layers' weights move into one tensor (each ``weight`` stays the same ``Parameter``, now
+    a view of it; make optimizers after this call or before, either works), so that the
+    gathered input and the input gradient multiply by all of them without a copy. A layer
+    called on another tensor than the one its siblings were last called on (or on one modified
+    in place since) computes every product afresh; one called while a sibling has not yet taken
+    its product from the last input stops the sharing for good (the layers are evidently not
+    called on one input), and each layer then computes alone, as before this call.
 
     Raises:
         TypeError: a layer is not a ``ColumnParallelLinear``.
@@ -394,16 +399,15 @@ class _Siblings:
 
 def _products(layers: list[ColumnParallelLinear], x: torch.Tensor) -> list[torch.Tensor]:
     """Each column layer's product ``[..., N_i]`` (no bias) for input ``x`` (sequence
-    parallel: this rank's tokens, gathered once), with one matmul of their weights side by
-    side."""
+    parallel: this rank's tokens, gathered once, and column views of one product of their
+    weights side by side; otherwise one contiguous product per weight: ``_Column``)."""
     first, one = layers[0], len(layers) == 1  # (one: no list, checked and split once less)
     ws = [layer.weight.t() for layer in layers]
     if first.sequence_parallel:
         lead = (x.shape[0] * first.world_size, *x.shape[1:-1])
         ys = all_gather_matmul(x, ws[0] if one else ws, group=first.group)
         return [y.view(*lead, y.shape[-1]) for y in ([ys] if one else ys)]
-    y = _Column.apply(x, first.weight if one else side_by_side(ws).t(), first.group)
-    return [y] if one else list(y.split([w.shape[1] for w in ws], dim=-1))
+    return list(_Column.apply(x, first.group, *(layer.weight for layer in layers)))
 
 
 def _init(weight: nn.Parameter, bias: nn.Parameter | None, fan_in: int) -> None:
