@@ -164,6 +164,8 @@ def _compiled_gather_and_layers(rank, R, seed, backend):
                   ("gate dw", gate.weight.grad, refs[0].weight.grad[cols]),
                   ("up dw", up.weight.grad, refs[1].weight.grad[cols]),
                   ("down dw", down.weight.grad, refs[2].weight.grad[:, cols]))  # fmt: skip
+        with torch.no_grad():  # (a prefill: dynamo traces the Functions' forwards alone)
+            checks += (("y no_grad", mlp(xin), y_ref[mine].detach()),)
         for what, got, want in checks:
             why = mismatch(got, want, TOL[torch.float32])
             failures += [f"layers sp={sp} {what} rank {rank}: {why}"] if why else []

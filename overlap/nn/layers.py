@@ -89,7 +89,11 @@ class _Column(torch.autograd.Function):
     ``matmul_allreduce`` of the products' gradients side by side and the weights'."""
 
     @staticmethod
-    def forward(ctx, x, group, *ws):  # noqa: D102
+    def forward(ctx, *inputs):  # noqa: D102  (x, group, *ws)
+        # (not ``forward(ctx, x, group, *ws)``: under no_grad dynamo drops ``ctx`` when the
+        # arguments, ctx excluded, number as many as the signature's parameters, ctx and
+        # ``*ws`` included: two weights, gate/up, did; here never, they are three or more)
+        x, group, *ws = inputs
         ctx.save_for_backward(x, *ws)
         ctx.group = group
         return tuple(x @ w.t() for w in ws)
