@@ -1,6 +1,7 @@
 """A Hugging Face model through ``overlap.nn.parallelize``: with and without sequence
-parallelism, eager and under ``torch.compile(fullgraph=True)``, checked against each other and
-timed in one run (issue 38 item 6; issue 40's "sequence parallel never slower").
+parallelism, eager and with its decoder layers under ``torch.compile(fullgraph=True)``,
+checked against each other and timed in one run (issue 38 item 6; issue 40's "sequence
+parallel never slower").
 
 A transformers ``LlamaModel`` (``--family qwen3``: ``Qwen3Model``) built from a config at
 ``model_bench.py``'s dims (8B by default; no download), ``--layers`` decoder layers, bf16, one
@@ -13,13 +14,15 @@ Modes:
                    eager; the reference every mode is checked against
 ``plain_sp``       the same with ``sequence_parallel=True`` (plain all-gathers and
                    reduce-scatters)
-``plain_c``        ``plain`` under ``torch.compile(fullgraph=True)``: the compiled modes'
-                   reference (inductor's fused bf16 rounding moved the projections' weight
-                   gradients by up to 4% against eager at 8B dims)
+``plain_c``        ``plain`` with its decoder layers under ``torch.compile(fullgraph=True)``
+                   (``_compile_layers``: not the whole model, whose causal mask would then be
+                   explicit): the compiled modes' reference (inductor's fused bf16 rounding
+                   moved the projections' weight gradients by up to 4% against eager at 8B
+                   dims)
 ``overlap``        ``parallelize(model)``, the library's default decisions, eager
 ``overlap_sp``     ``parallelize(model, sequence_parallel=True)``, eager
-``overlap_c``      ``overlap`` under ``torch.compile(fullgraph=True)``
-``overlap_sp_c``   ``overlap_sp`` under ``torch.compile(fullgraph=True)``
+``overlap_c``      ``overlap``, its decoder layers compiled as ``plain_c``'s
+``overlap_sp_c``   ``overlap_sp``, its decoder layers compiled as ``plain_c``'s
 =================  ============================================================================
 
 The plain path is forced as where ``overlap.tune`` measured it fastest (every call's tuned
@@ -107,6 +110,18 @@ def _whole(args, dtype, dev):
         return getattr(transformers, model_cls)(config).to(dtype)
 
 
+def _compile_layers(model):
+    """``model`` with each decoder layer under ``torch.compile(fullgraph=True)`` (in place),
+    its own code around them (embedding, masks, final norm) eager. Compiled whole, the model
+    builds an explicit causal mask: transformers skips it for SDPA's ``is_causal`` only
+    outside dynamo before torch 2.14 (``masking_utils._ignore_causal_mask_sdpa``), and the
+    masked SDPA kernels took 12.55 ms of an 8B TP 2 training step against 3.66 eager (2
+    H100s, 2026-11-28, session 29's profile): compiled training was slower than eager."""
+    for layer in model.layers:
+        layer.compile(fullgraph=True)
+    return model
+
+
 def _step(model, ids, g):
     """Forward + backward of ``(h * g).sum()``: ``h`` detached."""
     model.zero_grad(set_to_none=True)
@@ -156,7 +171,7 @@ def bench(args: argparse.Namespace, dev: torch.device, timing_meaningful: bool) 
     for mode in args.modes:  # every mode built and checked first (its steps keep it alive)
         model = overlap.nn.parallelize(copy.deepcopy(whole), sequence_parallel="_sp" in mode)
         compiled, plain = mode.endswith("_c"), mode.startswith("plain")
-        run = torch.compile(model, fullgraph=True) if compiled else model
+        run = _compile_layers(model) if compiled else model
         with _plain_path(plain):
             if plain and compiled not in refs:
                 refs[compiled] = dict(mode=mode, h=_step(run, ids, g), grads=_proj_grads(model))
