@@ -22,7 +22,7 @@ def test_eager_autograd_takes_the_function():
     for name, eager, op in (
         ("matmul_collective", lambda a, b: overlap.matmul_collective(a, b),
          lambda a, b: torch.ops.overlap.matmul_collective(a, b, "all_reduce", "", "sum",
-                                                          "auto", None, "matmul_collective")),
+                                                          "auto", None, "matmul_collective", [])),
         ("all_gather_matmul", lambda a, b: overlap.all_gather_matmul(a, b),
          lambda a, b: torch.ops.overlap.all_gather_matmul(a, b, "", "auto", None, True, [])[0]),
     ):  # fmt: skip
@@ -36,3 +36,31 @@ def test_eager_autograd_takes_the_function():
             assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5), name
         for a, b in ((y_e, y_o), (dx_e, dx_o), (dw_e, dw_o)):
             assert torch.equal(a, b), name
+
+
+def test_stacked_row_blocks_gradients():
+    """``overlap::matmul_collective`` with further row blocks of ``w`` (``others``, stacked
+    under it where the call runs): the result and every block's gradient against float64,
+    through the op's registered backward, eagerly and compiled."""
+    torch.manual_seed(2)
+    x, g = torch.randn(24, 12), torch.randn(24, 8)
+    blocks = [torch.randn(n, 8) for n in (6, 4, 2)]  # (K = 12)
+    x64, b64 = x.double().requires_grad_(), [b.double().requires_grad_() for b in blocks]
+    want_y = x64 @ torch.cat(b64)
+    (want_y * g.double()).sum().backward()
+
+    def op(a, *bs):
+        return torch.ops.overlap.matmul_collective(
+            a, bs[0], "all_reduce", "", "sum", "auto", None, "matmul_allreduce", list(bs[1:])
+        )
+
+    for name, fn in (("eager", op), ("compiled", torch.compile(op, backend="aot_eager"))):
+        xa, bs = x.clone().requires_grad_(), [b.clone().requires_grad_() for b in blocks]
+        y = fn(xa, *bs)
+        (y * g).sum().backward()
+        grads = [(b.grad, w.grad) for b, w in zip(bs, b64, strict=True)]
+        pairs = [(y, want_y), (xa.grad, x64.grad), *grads]
+        for i, (got, want) in enumerate(pairs):
+            assert got is not None and torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5), (
+                f"{name}: {['y', 'dx', 'dw0', 'dw1', 'dw2'][i]}"
+            )

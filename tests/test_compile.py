@@ -150,10 +150,11 @@ def _compiled_gather_and_layers(rank, R, seed, backend):
             out = mlp(xin)
             (out * g_full[mine]).sum().backward()
         calls = sum(sum(h.values()) for h in overlap.stats(reset=True).values())
-        # sequence parallel: gate and up reach the engine side by side where they lie (a
-        # copy made in the graph would be at a new address at every call: records churn)
+        # gate and up reach the engine side by side (sequence parallel) or stacked (the
+        # input gradient without it) where they lie: a copy made in the graph would be at
+        # a new address at every call (records churn, decisions cross models)
         own = {gate.weight.data_ptr(), down.weight.data_ptr()}
-        if sp and not seen <= own:
+        if not seen <= own:
             failures.append(f"layers sp={sp} rank {rank}: the engine got weights at "
                             f"{sorted(seen - own)}, not the layers' own {sorted(own)}")  # fmt: skip
         if calls != (4 if sp else 2):  # gate and up: one gather (sp) and one input gradient

@@ -57,7 +57,7 @@ from torch import nn
 from ..context import check_group
 from ..ops import all_gather_matmul, matmul_allreduce, matmul_reduce_scatter
 from ..ops._checks import world
-from ..ops._columns import joined
+from ..ops.dense import matmul_allreduce_stacked
 
 
 def _rank_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
@@ -104,7 +104,7 @@ class _Column(torch.autograd.Function):
         dx = None
         if ctx.needs_input_grad[0]:
             g = gs[0] if len(gs) == 1 else torch.cat(gs, dim=-1)
-            dx = matmul_allreduce(g, joined([w.t() for w in ws]).t(), group=ctx.group)
+            dx = matmul_allreduce_stacked(g, ws, ctx.group)
         x2 = x.reshape(-1, x.shape[-1])
         dws = [g.reshape(-1, g.shape[-1]).t() @ x2 if need else None
                for g, need in zip(gs, ctx.needs_input_grad[2:], strict=True)]  # fmt: skip

@@ -1,15 +1,15 @@
 """The public ops, one file per family, every one run by the call engine (``_engine.py``):
 
 - ``dense.py``: ``matmul_collective`` and its three shorthands (matmul, then all-reduce,
-  reduce-scatter or all-to-all);
+  reduce-scatter or all-to-all), and ``matmul_allreduce_stacked`` for ``overlap.nn``;
 - ``gather.py``: ``all_gather_matmul`` (all-gather, then matmul);
 - ``exchange.py``: the uneven exchanges (the all-to-all with split sizes, the MoE combine
   ``grouped_matmul_all_to_all`` and dispatch ``all_to_all_grouped_matmul``);
 - ``bags.py``: ``embedding_bag_all_to_all``;
 - ``_record.py``: recorded calls (a repeated eager call replays a CUDA graph), and
   ``_rebind.py``: such a graph pointed at the tensors of the call that replays it;
-- ``_columns.py``: a list of weights side by side (a view where they are adjacent), joined
-  where a call runs, also under ``torch.compile``;
+- ``_columns.py``: a list of weights side by side or stacked (a view where they are
+  adjacent), joined where a call runs, also under ``torch.compile``;
 - ``_autograd.py``: each differentiable op as a custom op (``torch.compile``) and as an
   ``autograd.Function`` over the same body (eager autograd, less host time).
 

@@ -1,13 +1,14 @@
 """Weights side by side: ``all_gather_matmul``'s list of weights ``[K, N_i]`` as one
 ``[K, sum N_i]``, a view of their memory where they are adjacent (``overlap.nn.share_input``
-lays sibling weights out so), else a copy.
+lays sibling weights out so), else a copy; or stacked (``[K_i, N]`` as ``[sum K_i, N]``: the
+column layers' input gradient, ``matmul_allreduce_stacked``).
 
 Only a call that runs can see adjacency: under ``torch.compile`` the tensors are fake and
 have no addresses, so a join traced into the graph is a copy at every call, at an address the
 allocator picks, and the weight's address is in every record's signature (the copies churned
 the records: 74-120 of 360 compiled training calls ran eagerly at 8B dims, session 27). So
 under compile the custom ops take the weights as a list (``others``) and join them in their
-bodies (``joined``), forward and backward.
+bodies (``joined``, ``stacked``), forward and backward.
 """
 
 from __future__ import annotations
@@ -37,6 +38,13 @@ def joined(ws: Sequence[torch.Tensor]) -> torch.Tensor:
     if not torch.compiler.is_compiling() and _adjacent(ws):
         return first.as_strided((K, sum(wi.shape[1] for wi in ws)), (1, K))
     return torch.cat([wi.t() for wi in ws]).t()
+
+
+def stacked(ws: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``ws [K_i, N]`` (row blocks, same dtype and device) as one ``[sum K_i, N]`` (no
+    autograd): ``ws[0]`` alone, a view where they are consecutive contiguous blocks of one
+    tensor (``share_input``'s weights), else a copy (always under ``torch.compile``)."""
+    return joined([wi.t() for wi in ws]).t()
 
 
 def _adjacent(ws: Sequence[torch.Tensor]) -> bool:

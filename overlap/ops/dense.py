@@ -29,7 +29,7 @@ from ..collectives import collective
 from . import exchange
 from ._autograd import call, custom_op, differentiable
 from ._checks import check_operands, check_splits, group_of, via_op, world
-from ._columns import joined
+from ._columns import joined, stacked
 from ._engine import plain_again, run_after, run_before
 
 
@@ -111,7 +111,7 @@ def _call(x, w, collective, group, op, out, backend, chunks, sends, receives, la
     gname = None if sig is not None else via_op(x, w, out, group)
     if gname is not None:
         extra = (list(splits[0]), list(splits[1])) if split else ()
-        return _differentiable(x, w, collective, gname, op, backend, chunks, label, *extra)
+        return _differentiable(x, w, collective, gname, op, backend, chunks, label, [], *extra)
     if split:
         return exchange.split_forward(x, w, group, out, backend, chunks, *splits, None, label)
     return run_after(x, w, collective, group, op, out, backend, chunks, label, sig)
@@ -174,19 +174,39 @@ def matmul_all_to_all(
                  output_split_sizes, "matmul_all_to_all")  # fmt: skip
 
 
+def matmul_allreduce_stacked(
+    x: torch.Tensor, ws: list[torch.Tensor], group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    """``dist.all_reduce(x @ w)`` overlapped, ``w`` the row blocks ``ws [K_i, N]`` stacked
+    (``x [..., sum K_i]`` -> ``[..., N]``): the input gradient of column layers that share
+    their input (``overlap.nn``; called in their backward, so no autograd here). Eagerly the
+    blocks are stacked first (a view where adjacent, as ``share_input`` lays them out); under
+    ``torch.compile`` the custom op takes them (``others``) and stacks them where it runs: a
+    stack traced into the graph would be a copy at every call, at an address the allocator
+    picks, and the weight's address keys the call's decision and record (``_columns``)."""
+    if not torch.compiler.is_compiling():
+        return matmul_allreduce(x, stacked(ws), group=group)
+    gname = "" if group is None else group.group_name
+    return _matmul_collective_op(x, ws[0], "all_reduce", gname, "sum", "auto", None,
+                                 "matmul_allreduce", list(ws[1:]))  # fmt: skip
+
+
 # The op as a torch custom op: torch.compile(fullgraph=True) keeps it whole (Dynamo cannot
 # trace the library's Python: locks, driver calls), and autograd runs the registered backward.
 # A group travels as its name ("" for None); the ops resolve it in Python, outside tracing.
 @custom_op("overlap::matmul_collective")
 def _matmul_collective_op(
     x: torch.Tensor, w: torch.Tensor, collective: str, group: str, op: str, backend: str,
-    chunks: int | None, label: str, sends: list[int] | None = None,
+    chunks: int | None, label: str, others: list[torch.Tensor], sends: list[int] | None = None,
     receives: list[int] | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """``matmul_collective`` as a custom op; ``group``: the group's name, "" for None;
-    ``label``: the public op called (``overlap.stats``); ``sends``, ``receives``: the
-    all-to-all's split sizes (left out for equal splits)."""
+    ``label``: the public op called (``overlap.stats``); ``others``: further row blocks of
+    ``w`` (``[K_i, N]``), stacked below it here (``matmul_allreduce_stacked``; empty
+    otherwise); ``sends``, ``receives``: the all-to-all's split sizes (left out for equal
+    splits)."""
     pg = group_of(group)
+    w = stacked([w, *others]) if others else w
     if sends is not None:
         splits = check_splits(x, collective, sends, receives, pg)
         return exchange.split_forward(x, w, pg, None, backend, chunks, *splits, None, label)
@@ -194,7 +214,8 @@ def _matmul_collective_op(
 
 
 @_matmul_collective_op.register_fake
-def _(x, w, collective_name, group, op, backend, chunks, label, sends=None, receives=None):
+def _(x, w, collective_name, group, op, backend, chunks, label, others, sends=None,
+      receives=None):  # fmt: skip
     if sends is not None:
         return x.new_empty(sum(receives), w.shape[1])
     R = world(group_of(group))
@@ -277,18 +298,22 @@ def _(g, x, w, collective_name, group, op, need_dx, need_dw, others, g_x=None, s
 
 def _setup(ctx, inputs, output) -> None:
     x, w, ctx.collective, ctx.group, ctx.op = inputs[:5]
-    ctx.splits = tuple(inputs[8:])  # (sends, receives) of an uneven all-to-all, or ()
-    ctx.save_for_backward(x, w)
+    ctx.splits = tuple(inputs[9:])  # (sends, receives) of an uneven all-to-all, or ()
+    ctx.save_for_backward(x, w, *inputs[8])
 
 
 def _backward(ctx, g):
-    x, w = ctx.saved_tensors
+    x, *ws = ctx.saved_tensors
     need_dx, need_dw = ctx.needs_input_grad[:2]
+    need_dw = need_dw or any(ctx.needs_input_grad[8] or ())  # (the op's: one bool per other)
     extra = (None, *ctx.splits) if ctx.splits and ctx.splits[0] is not None else ()
-    dx, dw_t = call(ctx, _backward_op, g, x, w, ctx.collective, ctx.group, ctx.op, need_dx,
-                    need_dw, [], *extra)  # fmt: skip
-    return (dx if need_dx else None, dw_t.t() if need_dw else None,
-            *([None] * (len(ctx.needs_input_grad) - 2)))  # fmt: skip
+    dx, dw_t = call(ctx, _backward_op, g, x, stacked(ws), ctx.collective, ctx.group, ctx.op,
+                    need_dx, need_dw, [], *extra)  # fmt: skip
+    rows = [wi.shape[0] for wi in ws]
+    dws = [part.t() for part in dw_t.split(rows, dim=1)] if need_dw else [None] * len(ws)
+    rest = None if getattr(ctx, "eager", False) else dws[1:]  # (the Function's, the op's)
+    splits = [None] * (len(ctx.needs_input_grad) - 9)  # (sends, receives where passed)
+    return dx if need_dx else None, dws[0], *[None] * 6, rest, *splits
 
 
 _differentiable = differentiable(_matmul_collective_op, _setup, _backward)
