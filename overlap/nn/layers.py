@@ -85,8 +85,8 @@ class _Column(torch.autograd.Function):
     replicated input whose gradient is summed over the ranks (each rank's products use
     ``x``): one product per weight, contiguous, as plain torch's separate projections (eager
     elementwise ops and attention on column views of one product ran up to 1.7x longer:
-    BENCHMARKS.md, "The model step"); the input gradient is one overlapped
-    ``matmul_allreduce`` of the products' gradients side by side and the weights'."""
+    BENCHMARKS.md, "The model step"); the input gradient is one overlapped all-reduce of the
+    products' gradients side by side times the weights stacked (``matmul_allreduce_stacked``)."""
 
     @staticmethod
     def forward(ctx, *inputs):  # noqa: D102  (x, group, *ws)
