@@ -52,6 +52,10 @@ def test_model_bench_cpu(tmp_path):
     ops = res["breakdown"]["ops"]
     assert len(ops) == 12 and {o["layout"] for o in ops} == {"nk", "kn"}
     assert all(o["error"] < 1e-5 for o in ops), [(o["op"], o["error"]) for o in ops]
+    for o in ops:  # per op: half the [M, width] fp32 tensor each way, twice for an all-reduce
+        width = o["K"] if o["collective"] == "all_gather" else o["N"]
+        assert o["bytes"] == (2 if o["collective"] == "all_reduce" else 1) * o["M"] * width * 2, o
+        assert o["bound"] == max(o["cublas"], o["comm"]) and o["left"] == o["overlap"] - o["bound"]
     # a layer's sequence-parallel collectives: 4 all-gathers and 4 reduce-scatters of
     # [seq, hidden] fp32, each rank sending half of each (hidden 64 at --dims small)
     moved = res["breakdown"]["bytes"]

@@ -44,7 +44,11 @@ under sequence parallelism their gradients are per-rank partial sums).
 with and without sequence parallelism, at this run's shapes and in the layout autograd uses
 (the backward multiplies by ``weight`` itself, not ``weight.t()``): cuBLAS alone, the
 library's kernel alone, the collective alone, plain (cuBLAS, then the collective), the
-library's op, host ms per call of each, and their results against each other; then a
+library's op, host ms per call of each, and their results against each other; per op the
+bytes one rank sends (and receives), the GB/s of the collective alone, the op's ``bound``
+(the GEMM or the transfer, whichever is longer, the other all hidden; the transfer: the
+collective alone, or with ``NCCL_P2P_DISABLE=1`` the host-copy bound each way where that is
+faster) and what is ``left`` above it (the library's op minus the bound); then a
 profile of two training steps and of two prefills of ``plain_sp`` and ``overlap_sp`` (and
 without SP, and ``nocomm``): GPU time by kind of kernel, the top kernels and the idle
 gaps; then the bytes a training step's collectives move per
@@ -707,6 +711,12 @@ def moved_bytes(collective: str, M: int, width: int, R: int, itemsize: int) -> i
     return (2 if collective == "all_reduce" else 1) * (R - 1) * M * width * itemsize // R
 
 
+def _width(o: dict) -> int:
+    """The width of the tensor an op's collective moves: the all-gather's input ``K``, the
+    reductions' product ``N``."""
+    return o["K"] if o["collective"] == "all_gather" else o["N"]
+
+
 def _copy_bound(dev, mb: int = 64, iters: int = 10) -> dict:
     """GB/s of pinned host <-> device copies with every rank copying at once (the ranks meet
     at a barrier first): device to host alone, and each way with both directions at once
@@ -748,10 +758,8 @@ def _bytes(args, ops: list[dict], profiles: dict, bound: dict | None, itemsize: 
     exposed and the share of plain_sp's exposed transfer time that is gone (plain_sp's own
     exceeds the ops' ``comm`` alone: in a step its collectives also wait for the slower
     rank)."""
-    R, sp = dist.get_world_size(), [o for o in ops if "no SP" not in o["op"]]
-    width = lambda o: o["K"] if o["collective"] == "all_gather" else o["N"]  # noqa: E731
-    sent = args.layers * sum(moved_bytes(o["collective"], o["M"], width(o), R, itemsize)
-                             for o in sp)  # fmt: skip
+    sp = [o for o in ops if "no SP" not in o["op"]]
+    sent = args.layers * sum(o["bytes"] for o in sp)
     alone = args.layers * sum(o["comm"] for o in sp)
     out = dict(bytes_per_rank=sent, collectives_alone_ms=alone,
                gbps=sent / alone / 1e6 if alone else None, host_copy_bound=bound)  # fmt: skip
@@ -803,6 +811,18 @@ def _breakdown(args, dev, dtype) -> dict:
             torch.cuda.empty_cache()
     bound = _copy_bound(dev) if dev.type == "cuda" else None
     itemsize = torch.empty(0, dtype=dtype).element_size()
+    # the transfer at best: NCCL's collective alone, or through host memory (no P2P) the
+    # copy engines at the host-copy bound each way both at once, if faster (at 4 ranks NCCL's
+    # SM-driven host transport beat it: 23-25 GB/s against 18.9, session 24's run)
+    host = bound if os.environ.get("NCCL_P2P_DISABLE") == "1" else None
+    for o in ops:
+        o["bytes"] = moved_bytes(o["collective"], o["M"], _width(o), R, itemsize)
+        o["comm_gbps"] = o["bytes"] / o["comm"] / 1e6 if o["comm"] > 0 else None
+        move = o["comm"]
+        if host:
+            move = min(move, o["bytes"] / host["each_way_both_gbps"] / 1e6)
+        o["bound"] = max(o["cublas"], move)  # (ms: the GEMM or the transfer, all hidden)
+        o["left"] = o["overlap"] - o["bound"]
     return dict(ops=ops, profiles=profiles, bytes=_bytes(args, ops, profiles, bound, itemsize))
 
 
@@ -826,16 +846,18 @@ def _report(args, dev, R, timing_meaningful, rows, errors, tol, skipped, failed,
         print(f"{mode}: FAILED: {why}")
     print("relative errors against plain:", json.dumps(errors))
     if breakdown:
-        cols = ("cublas", "kernel", "comm", "plain", "overlap", "saved")
+        cols = ("cublas", "kernel", "comm", "plain", "overlap", "saved", "bound", "left")
         print(f"\n{'op':18} {'MxKxN':>17} {'lay':3} " + " ".join(f"{c:>7}" for c in cols)
-              + f" {'eta':>5} {'host p/o':>11} {'err':>8}")  # fmt: skip
+              + f" {'eta':>5} {'MB':>6} {'GB/s':>5} {'host p/o':>11} {'err':>8}")  # fmt: skip
         for o in breakdown["ops"]:
             cells = " ".join("      -" if o.get(c) is None else f"{o[c]:7.3f}" for c in cols)
             eta = "-" if o["eta"] is None else f"{o['eta']:.2f}"
             shape = "x".join(str(o[k]) for k in "MKN")
+            rate = "-" if o["comm_gbps"] is None else f"{o['comm_gbps']:.1f}"
             print(
-                f"{o['op']:18} {shape:>17} {o['layout']:3} {cells} "
-                f"{eta:>5} {o['host_plain']:5.3f}/{o['host_overlap']:5.3f} {o['error']:8.1e}"
+                f"{o['op']:18} {shape:>17} {o['layout']:3} {cells} {eta:>5} "
+                f"{o['bytes'] / 1e6:6.1f} {rate:>5} "
+                f"{o['host_plain']:5.3f}/{o['host_overlap']:5.3f} {o['error']:8.1e}"
             )
         saved = sum(o["saved"] for o in breakdown["ops"] if "no SP" not in o["op"])
         print(f"\nthe sequence-parallel ops' savings alone add up to {saved:.3f} ms per layer")
