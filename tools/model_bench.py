@@ -751,12 +751,12 @@ def _copy_bound(dev, mb: int = 64, iters: int = 10) -> dict:
     return dict(one_way_gbps=gbps(timed([down])), each_way_both_gbps=gbps(timed([down, up])))
 
 
-def _bytes(args, ops: list[dict], profiles: dict, bound: dict | None, itemsize: int) -> dict:
+def _bytes(args, ops: list[dict], profiles: dict, bound: dict | None) -> dict:
     """Per training step and rank, sequence parallel: the bytes the layers' collectives send
-    (and receive), the time they take alone (the ops' ``comm``, run one at a time) and the
-    GB/s that is, against the host-copy ``bound``; per profiled mode, the transfer time left
-    exposed and the share of plain_sp's exposed transfer time that is gone (plain_sp's own
-    exceeds the ops' ``comm`` alone: in a step its collectives also wait for the slower
+    (and receive; the ops' ``bytes``), the time they take alone (the ops' ``comm``, run one at a
+    time) and the GB/s that is, against the host-copy ``bound``; per profiled mode, the transfer
+    time left exposed and the share of plain_sp's exposed transfer time that is gone (plain_sp's
+    own exceeds the ops' ``comm`` alone: in a step its collectives also wait for the slower
     rank)."""
     sp = [o for o in ops if "no SP" not in o["op"]]
     sent = args.layers * sum(o["bytes"] for o in sp)
@@ -823,7 +823,7 @@ def _breakdown(args, dev, dtype) -> dict:
             move = min(move, o["bytes"] / host["each_way_both_gbps"] / 1e6)
         o["bound"] = max(o["cublas"], move)  # (ms: the GEMM or the transfer, all hidden)
         o["left"] = o["overlap"] - o["bound"]
-    return dict(ops=ops, profiles=profiles, bytes=_bytes(args, ops, profiles, bound, itemsize))
+    return dict(ops=ops, profiles=profiles, bytes=_bytes(args, ops, profiles, bound))
 
 
 def _report(args, dev, R, timing_meaningful, rows, errors, tol, skipped, failed, breakdown):

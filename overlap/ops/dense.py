@@ -307,8 +307,9 @@ def _backward(ctx, g):
     need_dx, need_dw = ctx.needs_input_grad[:2]
     need_dw = need_dw or any(ctx.needs_input_grad[8] or ())  # (the op's: one bool per other)
     extra = (None, *ctx.splits) if ctx.splits and ctx.splits[0] is not None else ()
-    dx, dw_t = call(ctx, _backward_op, g, x, stacked(ws), ctx.collective, ctx.group, ctx.op,
-                    need_dx, need_dw, [], *extra)  # fmt: skip
+    w = stacked(ws) if len(ws) > 1 else ws[0]  # (further row blocks: internal calls only)
+    dx, dw_t = call(ctx, _backward_op, g, x, w, ctx.collective, ctx.group, ctx.op, need_dx,
+                    need_dw, [], *extra)  # fmt: skip
     rows = [wi.shape[0] for wi in ws]
     dws = [part.t() for part in dw_t.split(rows, dim=1)] if need_dw else [None] * len(ws)
     rest = None if getattr(ctx, "eager", False) else dws[1:]  # (the Function's, the op's)
