@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from overlap.collectives import COLLECTIVES
 from overlap.comm.nccl import _chunks
 from overlap.plan import MAX_CHUNKS, Tiles, make_gather_plan, make_plan
+from overlap.plan.tiles import HOST_BAND_BYTES, HOST_BAND_ROWS
 
 
 @st.composite
@@ -183,6 +184,32 @@ def test_plain_path_by_transport_and_link():
     gather = make_plan(8192, 1, 1024, world_size=2, collective="all_gather", dtype_bits=16,
                        transport="ce", link="peer")  # fmt: skip
     assert gather.path == "fallback" and "small product" in gather.reason
+
+
+@pytest.mark.parametrize("collective", [*COLLECTIVES, "all_gather"])
+@pytest.mark.parametrize("R", [2, 4])
+def test_host_road_bands(collective, R):
+    """The copy engines' host road moves each band twice in a row, so its blocked plans cut
+    every rank block into bands of at most about ``HOST_BAND_BYTES`` (and at least
+    ``HOST_BAND_ROWS`` rows); over NVLink, or with ``chunks`` given, they stay as they were."""
+
+    def plan(M, N, K, link, chunks=None):
+        return make_plan(M, N, K, world_size=R, collective=collective, dtype_bits=16,
+                         blocked=True, transport="ce", link=link, chunks=chunks)  # fmt: skip
+
+    for M, N, K in [(8192, 4096, 7168), (8192, 3072, 4096), (4096, 8192, 28672),
+                    (4096, 4096, 8192)]:  # fmt: skip
+        peer, host = plan(M, N, K, "peer"), plan(M, N, K, "host")
+        assert peer.path == host.path == "overlap", (peer.describe(), host.describe())
+        width = K if collective == "all_gather" else N  # (the all-gather moves x's rows)
+        band = host.run_rows * width * 2
+        assert host.run_rows >= min(HOST_BAND_ROWS, peer.run_rows), host.describe()
+        assert band <= HOST_BAND_BYTES or host.run_rows <= HOST_BAND_ROWS, host.describe()
+        assert host.bands_per_block >= peer.bands_per_block, (peer.describe(), host.describe())
+        assert plan(M, N, K, "host", 4).bands_per_block == plan(M, N, K, "peer", 4).bands_per_block
+    if R == 2:  # 8B dims, 8192 tokens: 32 MB rank blocks, 8 bands of 512 rows
+        at_8b = plan(8192, 4096, 7168, "host")
+        assert at_8b.bands_per_block == 8 and at_8b.run_rows == 512, at_8b.describe()
 
 
 @pytest.mark.parametrize("collective", COLLECTIVES)

@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 
 from ..collectives import collective as _spec
-from .tiles import MAX_CHUNKS, plain_reason, tiles_for
+from .tiles import MAX_CHUNKS, host_bands, plain_reason, tiles_for
 
 
 @dataclass(frozen=True)
@@ -135,6 +135,8 @@ def make_gather_plan(
     if chunks is None:
         tiles = math.ceil(M / t.block_m) * math.ceil(K / t.block_n)
         chunks = max(2, min(4, round(tiles / (2 * num_sms))))
+        if blocked and link == "host":  # (``tiles.HOST_BAND_BYTES``)
+            chunks = max(chunks, min(MAX_CHUNKS // R, host_bands(M // R, K * dtype_bits // 8)))
     m = M // R
     units = math.ceil(m / t.block_m)  # tile rows per shard
     run_rows = math.ceil(units / min(chunks, units)) * t.block_m

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 from ..collectives import collective as _spec
 from .gather import GatherPlan, make_gather_plan
-from .tiles import _GPU_TILES_16BIT, MAX_CHUNKS, Tiles, plain_reason, tiles_for
+from .tiles import _GPU_TILES_16BIT, MAX_CHUNKS, Tiles, host_bands, plain_reason, tiles_for
 
 
 @dataclass(frozen=True)
@@ -239,6 +239,7 @@ def make_plan(
         return _fallback(small, collective, M, N, K, R)
     t = tiles or tiles_for(M, dtype_bits, interpreter)
     tm, tn = math.ceil(M / t.block_m), math.ceil(N / t.block_n)
+    asked = chunks
     if chunks is None:
         # All-to-all: 4 chunks measured 1.01-1.24x over sequential on the bench shapes (2x H200);
         # more chunks were not measured, so they are not chosen by default.
@@ -250,7 +251,9 @@ def make_plan(
     run_rows = math.ceil(units / min(chunks, units)) * t.block_m
     row_bands = math.ceil(M // runs / run_rows)
     if blocked:
-        return _blocked_plan(M, N, K, R, spec, t, row_bands, transport)
+        # the host road: at least ``tiles.HOST_BAND_BYTES`` bands per block, unless asked
+        least = host_bands(M // R, N * dtype_bits // 8) if link == "host" and asked is None else 1
+        return _blocked_plan(M, N, K, R, spec, t, row_bands, transport, least)
     chunk_cols = tn * t.block_n
     if row_bands < 2:
         # Too few rows to split: one row band of all M rows, split along N (decode shapes).
@@ -287,15 +290,16 @@ def splits_rows(M: int, collective: str, world_size: int, tiles: Tiles) -> bool:
 
 
 def _blocked_plan(
-    M: int, N: int, K: int, R: int, spec, t: Tiles, chunks: int, transport: str
+    M: int, N: int, K: int, R: int, spec, t: Tiles, chunks: int, transport: str, least: int
 ) -> Plan:
     """``make_plan(blocked=True)``: ``b`` equal bands per rank block (``b`` divides ``M / R``
-    so that all bands have the same rows and tile rows; a band's last tile may be partial)."""
+    so that all bands have the same rows and tile rows; a band's last tile may be partial),
+    at least ``least``."""
     name = spec.name
     if M % R:
         return _fallback(f"M ({M}) not divisible by the world size ({R})", name, M, N, K, R)
     block = M // R
-    b = max(1, min(round(chunks / R), math.ceil(block / t.block_m), MAX_CHUNKS // R))
+    b = max(1, min(max(least, round(chunks / R)), math.ceil(block / t.block_m), MAX_CHUNKS // R))
     while block % b:
         b -= 1
     if spec.replicated:

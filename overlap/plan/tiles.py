@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 MAX_CHUNKS = 64  # counters per context; plans never exceed it
@@ -23,6 +24,22 @@ LINK_BYTES_PER_MS = {"peer": 1.5e8, "host": 2.5e7, "network": 1e7}  # by ``comm.
 EXTRA_HOST_MS = {"ce": 0.1, "nccl": 0.4}  # by transport: the copy engines', else NCCL's
 GEMM_MS_PER_RANK = 0.05
 MIN_HIDDEN_MS = 0.05
+
+# The copy engines' host road (``comm/host.py``) moves each band twice in a row, to pinned host
+# memory and from there to the receiver, so a call ends at least one band's second copy after
+# the last band's first: its bands hold about ``HOST_BAND_BYTES`` (at 8B dims, 8192 tokens, TP
+# 2, the default 2 bands of 16 MB per rank block left 0.23-0.45 ms above each reduce-scatter's
+# bound, 0.08-0.18 above each all-gather's; 2x H100 without P2P, 2026-11-28), and at least
+# ``HOST_BAND_ROWS`` rows (4 tile rows of the copy engines' kernel: fewer cost GEMM speed).
+HOST_BAND_BYTES = 4 << 20
+HOST_BAND_ROWS = 512
+
+
+def host_bands(rows: int, row_bytes: int) -> int:
+    """Bands of a rank block of ``rows`` rows of ``row_bytes`` bytes on the host road: a
+    power of two (blocks of model shapes divide into them)."""
+    bands = 1 << max(0, math.ceil(math.log2(rows * row_bytes / HOST_BAND_BYTES)))
+    return max(1, min(bands, rows // HOST_BAND_ROWS))
 
 
 def plain_reason(flop: float, moved: float, R: int, link: str, transport: str) -> str | None:
