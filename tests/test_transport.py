@@ -47,7 +47,6 @@ def _transports(kind, R, sim):
         t = object.__new__(PeerTransport if kind == "peer" else HostTransport)
         t.group, t.device, t.rank, t.size = None, torch.device("cpu"), r, R
         t.broken, t._views = False, {}
-        t.keep_stream = Stream(sim, f"keep{r}")
         t.zeros = torch.zeros(FLAGS_BYTES, dtype=torch.uint8)
         if kind == "peer":
             t.buf = torch.zeros(size, dtype=torch.uint8)
@@ -135,9 +134,9 @@ def test_all_gather_protocol(kind, R, m, chunks, ahead, monkeypatch):
     """The all-gather through the copy engines and the call engine's consumer (cuBLAS per
     band, after ``arrived``): two calls in flight on every rank, a rank running ahead; every
     result row against float64 (a row read before its band arrived, or after the next call
-    overwrote it, would differ), and (but in the first case) ``x_full``, which the transport's
-    ``keep_stream`` copies out of the receive slots band by band, read by the caller stream
-    after the call."""
+    overwrote it, would differ), and (but in the first case) ``x_full``, which the
+    communication stream copies out of the receive slots, read by the caller stream after the
+    call."""
     sim, kernels, _ = install(monkeypatch)  # (no kernel runs: the consumer's are torch ops)
     g = torch.Generator().manual_seed(R * 100 + m)
     K, N, M = 24, 20, R * m

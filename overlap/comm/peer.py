@@ -139,8 +139,6 @@ class PeerTransport(Transport):
         self.buf: torch.Tensor | None = None  # uint8, local view of the symmetric buffer
         self.ptrs: list[int] = []  # every rank's buffer, mapped here
         self._views: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # _prepare's
-        # copies an all-gather's `x_full` out of the receive slots as the bands arrive
-        self.keep_stream = torch.cuda.Stream(device)  # (ops/_engine.py `_keep_gathered`)
 
     # -- buffer ------------------------------------------------------------------------------
     def _ensure(self, nbytes: int) -> None:

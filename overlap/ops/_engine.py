@@ -471,25 +471,18 @@ def run_before(x, w, group, out, backend, chunks, keep: bool):
     return out, full
 
 
-def _keep_gathered(transport: Transport, p: GatherPlan, buf, x2, full, rank: int, caller):
-    """``x_full`` of a blocked all-gather, issued before the caller's matmuls: the buffer is
-    in its layout already, so the transport's ``keep_stream`` copies this rank's rows from
-    ``x2``, then each band of the other shards once it has arrived, while later bands still
-    travel (contiguous copies: copy engines, no SM; on the caller stream, one strided copy
-    per band cost 0.73 ms of a training step's SM time, 8B dims, 8192 tokens, 2 H100s).
-    Returns that stream: the caller waits for it at the end of the call."""
-    t = transport.keep_stream
-    t.wait_stream(caller)  # `x2` is ready, `full` made on the caller stream
-    R, m, K = p.world_size, p.M // p.world_size, p.K
-    full3, buf3 = full.view(R, m, K), buf.view(R, m, K)
-    with torch.cuda.stream(t):
-        full3[rank].copy_(x2)
-        for q, h, chunks in p.shard_bands:
-            transport.arrived(p, chunks, t)
-            for d in range(R):
-                if d != rank:
-                    full3[d, q : q + h].copy_(buf3[d, q : q + h])
-    return t
+def _keep_gathered(transport: Transport, p: GatherPlan, buf, x2, full, own: slice, s) -> None:
+    """``x_full`` of a blocked all-gather: the buffer is in its layout already, so ``s`` (the
+    communication stream) waits until every band has arrived and copies it with contiguous
+    copies (copy engines: no SM; on the caller stream, one strided copy per band cost 0.73
+    ms of a training step's SM time, 8B dims, 8192 tokens, 2 H100s), this rank's rows from
+    ``x2``; the caller waits for ``s`` at the end of the call."""
+    transport.arrived(p, tuple(c for _, _, chunks in p.shard_bands for c in chunks), s)
+    with torch.cuda.stream(s):
+        full[own].copy_(x2)
+        for rows in (slice(0, own.start), slice(own.stop, p.M)):
+            if rows.stop > rows.start:
+                full[rows].copy_(buf[rows])
 
 
 def _gathered(x2, w, out, full, p: GatherPlan, ctx: Context, cls, capturing: bool) -> None:
@@ -508,12 +501,10 @@ def consume(x2, w, out, full, p: GatherPlan, transport: Transport, rank: int, ca
     waits for ``s``."""
     R, N, K = p.world_size, w.shape[1], p.K
     m, keep = p.M // R, full.numel() > 0
-    own, side = slice(rank * m, (rank + 1) * m), None
+    own = slice(rank * m, (rank + 1) * m)
     try:
         guard.arm()
         buf = transport.gather(p, x2.contiguous(), s, caller)  # `s` waits for `caller`
-        if keep and p.blocked:
-            side = _keep_gathered(transport, p, buf, x2, full, rank, caller)
         torch.matmul(x2, w, out=out[own])  # own rows: no wait
         out3 = out.view(R, m, N)
         for q, h, chunks in p.shard_bands:
@@ -529,10 +520,10 @@ def consume(x2, w, out, full, p: GatherPlan, transport: Transport, rank: int, ca
                     torch.bmm(a3[lo:hi], w.expand(hi - lo, K, N), out=out3[lo:hi, q : q + h])
             if keep and not p.blocked:  # into the standard layout (the slots are reused)
                 full.view(R, m, K)[:, q : q + h] = a3
-        if keep and not p.blocked:
+        if keep and p.blocked:
+            _keep_gathered(transport, p, buf, x2, full, own, s)
+        elif keep:
             full[own] = x2
     finally:
         if s is not None:
             caller.wait_stream(s)  # as in `produce`
-        if side is not None:
-            caller.wait_stream(side)
