@@ -27,10 +27,11 @@ MIN_HIDDEN_MS = 0.05
 
 # The copy engines' host road (``comm/host.py``) moves each band twice in a row, to pinned host
 # memory and from there to the receiver, so a call ends at least one band's second copy after
-# the last band's first: its bands hold about ``HOST_BAND_BYTES`` (at 8B dims, 8192 tokens, TP
-# 2, the default 2 bands of 16 MB per rank block left 0.23-0.45 ms above each reduce-scatter's
-# bound, 0.08-0.18 above each all-gather's; 2x H100 without P2P, 2026-11-28), and at least
+# the last band's first: its bands hold about ``HOST_BAND_BYTES`` and at least
 # ``HOST_BAND_ROWS`` rows (4 tile rows of the copy engines' kernel: fewer cost GEMM speed).
+# At 8B dims, 8192 tokens, TP 2 (H100s without P2P, 2026-11-28) the NVLink road's 2 bands of
+# 16 MB per rank block left 0.21-0.52 ms above each sequence-parallel op's bound, these
+# mostly under 0.12 (BENCHMARKS.md "Per op, without P2P").
 HOST_BAND_BYTES = 4 << 20
 HOST_BAND_ROWS = 512
 
