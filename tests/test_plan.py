@@ -207,6 +207,10 @@ def test_host_road_bands(collective, R):
         assert band <= HOST_BAND_BYTES or host.run_rows <= HOST_BAND_ROWS, host.describe()
         assert host.bands_per_block >= peer.bands_per_block, (peer.describe(), host.describe())
         assert plan(M, N, K, "host", 4).bands_per_block == plan(M, N, K, "peer", 4).bands_per_block
+    if collective == "all_reduce":  # fewer rows than ranks (the interpreter overlaps them)
+        tiny = make_plan(1, 64, 64, world_size=R, collective=collective, dtype_bits=16,
+                         interpreter=True, blocked=True, transport="ce", link="host")  # fmt: skip
+        assert tiny.path == "fallback", tiny.describe()
     if R == 2:  # 8B dims, 8192 tokens: 32 MB rank blocks, 8 bands of 512 rows
         at_8b = plan(8192, 4096, 7168, "host")
         assert at_8b.bands_per_block == 8 and at_8b.run_rows == 512, at_8b.describe()

@@ -39,7 +39,7 @@ HOST_BAND_ROWS = 512
 def host_bands(rows: int, row_bytes: int) -> int:
     """Bands of a rank block of ``rows`` rows of ``row_bytes`` bytes on the host road: a
     power of two (blocks of model shapes divide into them)."""
-    bands = 1 << max(0, math.ceil(math.log2(rows * row_bytes / HOST_BAND_BYTES)))
+    bands = 1 << max(0, math.ceil(math.log2(max(1, rows * row_bytes) / HOST_BAND_BYTES)))
     return max(1, min(bands, rows // HOST_BAND_ROWS))
 
 
