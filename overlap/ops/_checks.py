@@ -143,6 +143,11 @@ def via_op(x: torch.Tensor, w: torch.Tensor, out, group) -> str | None:
     if out is not None:
         why = "autograd (x or w requires grad)" if grad else "torch.compile"
         raise ValueError(f"out= does not support {why}")
+    return name_of(group)
+
+
+def name_of(group: dist.ProcessGroup | None) -> str:
+    """How a custom op is given ``group``: its name, "" for None (``group_of``'s inverse)."""
     return "" if group is None else group.group_name
 
 

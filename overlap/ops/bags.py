@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from .. import guard
 from ..context import check_group
 from ..plan import DEFAULT_SPLIT_CHUNKS
-from ._checks import DTYPES, check_backend, check_chunks, group_of, world
+from ._checks import DTYPES, check_backend, check_chunks, group_of, name_of, world
 from .exchange import _SplitCall
 
 _BAG_MODES = ("sum", "mean", "max")
@@ -94,9 +94,8 @@ def embedding_bag_all_to_all(
                          f"this rank's {D}), got {rank_dims!r}")  # fmt: skip
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in tables)
     if grad or torch.compiler.is_compiling():
-        gname = "" if group is None else group.group_name
         return torch.ops.overlap.embedding_bag_all_to_all(
-            tables, indices, offsets, gname, mode, list(rank_dims), backend, chunks
+            tables, indices, offsets, name_of(group), mode, list(rank_dims), backend, chunks
         )
     return _bags_forward(
         tables, indices, offsets, group, mode, tuple(rank_dims), backend, chunks, B

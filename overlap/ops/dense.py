@@ -28,7 +28,7 @@ import torch.distributed as dist
 from ..collectives import collective
 from . import exchange
 from ._autograd import call, custom_op, differentiable
-from ._checks import check_operands, check_splits, group_of, via_op, world
+from ._checks import check_operands, check_splits, group_of, name_of, via_op, world
 from ._columns import joined, stacked
 from ._engine import plain_again, run_after, run_before
 
@@ -186,8 +186,7 @@ def matmul_allreduce_stacked(
     picks, and the weight's address keys the call's decision and record (``_columns``)."""
     if not torch.compiler.is_compiling():
         return matmul_allreduce(x, stacked(ws), group=group)
-    gname = "" if group is None else group.group_name
-    return _matmul_collective_op(x, ws[0], "all_reduce", gname, "sum", "auto", None,
+    return _matmul_collective_op(x, ws[0], "all_reduce", name_of(group), "sum", "auto", None,
                                  "matmul_allreduce", list(ws[1:]))  # fmt: skip
 
 

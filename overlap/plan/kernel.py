@@ -239,7 +239,9 @@ def make_plan(
         return _fallback(small, collective, M, N, K, R)
     t = tiles or tiles_for(M, dtype_bits, interpreter)
     tm, tn = math.ceil(M / t.block_m), math.ceil(N / t.block_n)
-    asked = chunks
+    # the host road: blocks in bands of about ``tiles.HOST_BAND_BYTES``, unless chunks are asked
+    host = blocked and link == "host" and chunks is None
+    least = host_bands(M // R, N * dtype_bits // 8) if host else 1
     if chunks is None:
         # All-to-all: 4 chunks measured 1.01-1.24x over sequential on the bench shapes (2x H200);
         # more chunks were not measured, so they are not chosen by default.
@@ -251,8 +253,6 @@ def make_plan(
     run_rows = math.ceil(units / min(chunks, units)) * t.block_m
     row_bands = math.ceil(M // runs / run_rows)
     if blocked:
-        # the host road: at least ``tiles.HOST_BAND_BYTES`` bands per block, unless asked
-        least = host_bands(M // R, N * dtype_bits // 8) if link == "host" and asked is None else 1
         return _blocked_plan(M, N, K, R, spec, t, row_bands, transport, least)
     chunk_cols = tn * t.block_n
     if row_bands < 2:
