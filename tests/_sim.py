@@ -269,8 +269,12 @@ class Kernels:
         if self.abort:
             raise _Abort
         builder = interpreter.interpreter_builder
-        if hasattr(self.local, "idx"):  # another kernel ran meanwhile: this one's grid again
-            builder.grid_dim, builder.grid_idx = self.local.dim, self.local.idx
+        # another kernel ran meanwhile: this one's grid again (its size is set before the
+        # first tile's index: a launch of one tile beside a launch of several)
+        if hasattr(self.local, "dim"):
+            builder.grid_dim = self.local.dim
+        if hasattr(self.local, "idx"):
+            builder.grid_idx = self.local.idx
 
     def start(self, name: str, launch, owner: str = "main") -> None:
         """Start ``launch()`` in a thread; it runs only in ``step``s of ``owner`` (the

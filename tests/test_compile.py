@@ -183,9 +183,9 @@ def _weights_seen():
     real = [getattr(mod, name) for mod, name in patched]
 
     def spy(fn):
-        def wrapped(x, w, *args):
+        def wrapped(x, w, *args, **kwargs):
             seen.add(w.data_ptr())
-            return fn(x, w, *args)
+            return fn(x, w, *args, **kwargs)
 
         return wrapped
 

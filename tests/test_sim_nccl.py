@@ -52,6 +52,8 @@ def _contexts(sim, R):
     ],
 )
 def test_nccl_per_chunk(collective, R, M, N, chunks, ahead, slow, monkeypatch):
+    """The reduce-scatters also compute a product on the caller stream after the GEMM
+    (``produce``'s cover: the backward's weight gradient), checked too."""
     sim, kernels, _ = install(monkeypatch)
     g = torch.Generator().manual_seed(R * 1000 + M + N)
     K = 16
@@ -60,14 +62,18 @@ def test_nccl_per_chunk(collective, R, M, N, chunks, ahead, slow, monkeypatch):
                   chunks=chunks, blocked=False, transport="torch")  # fmt: skip
     assert p.path == "overlap" and p.n_chunks >= 2, p.describe()
     rows = M // R if p.spec.scatters else M
+    cover = collective == "reduce_scatter"
 
     def make():
         return [(torch.randn(M, K, generator=g), torch.randn(N, K, generator=g).t(),
-                 torch.full((rows, N), float("nan"))) for _ in range(R)]  # fmt: skip
+                 torch.full((rows, N), float("nan")), torch.randn(N, M, generator=g),
+                 torch.full((N, K) if cover else (0,), float("nan")))
+                for _ in range(R)]  # fmt: skip
 
-    def issue(r, ctx, x, w, out):
-        _engine.overlapped(x, w, out, p, None, ctx, TorchTransport, False)
-        return out
+    def issue(r, ctx, x, w, out, a, c):
+        both = (a, x, c) if cover else ()
+        _engine.overlapped(x, w, out, p, None, ctx, TorchTransport, False, cover=both)
+        return torch.cat((out.flatten(), c.flatten()))
 
     try:
         calls = two_calls(sim, R, ahead, issue, contexts, make, slow)
@@ -76,7 +82,10 @@ def test_nccl_per_chunk(collective, R, M, N, chunks, ahead, slow, monkeypatch):
     for i, (inputs, outs, seen) in enumerate(calls):
         xs, ws = [a[0] for a in inputs], [a[1] for a in inputs]
         for r in range(R):
-            check(outs, seen, _reference(p, xs, ws, r), i, r, rtol=1e-5, atol=1e-4)
+            a, c = inputs[r][3:]
+            c = (a.double() @ xs[r].double()) if cover else c.double()
+            ref = torch.cat((_reference(p, xs, ws, r).flatten(), c.flatten()))
+            check(outs, seen, ref, i, r, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize(("ahead", "slow"), SCHEDULES)
@@ -84,7 +93,8 @@ def test_nccl_per_chunk(collective, R, M, N, chunks, ahead, slow, monkeypatch):
 def test_nccl_all_gather_consumer(R, m, chunks, ahead, slow, monkeypatch):
     """``all_gather_matmul``'s engine with NCCL: one all-gather per chunk and an event after
     it; the caller multiplies its own rows at once and each band after its chunks' events;
-    ``x_full`` kept."""
+    ``x_full`` kept; at R = 3 also a product of ``x_full^T`` from it at the end (``consume``'s
+    cover without a blocked plan)."""
     sim, kernels, _ = install(monkeypatch)
     g = torch.Generator().manual_seed(R * 100 + m)
     K, N, M = 24, 20, R * m
@@ -92,16 +102,19 @@ def test_nccl_all_gather_consumer(R, m, chunks, ahead, slow, monkeypatch):
     p = make_plan(M, N, K, world_size=R, collective="all_gather", dtype_bits=32, interpreter=True,
                   chunks=chunks, blocked=False, transport="torch")  # fmt: skip
     assert p.path == "overlap" and len(p.shard_bands) == chunks, p.describe()
-    fulls = []
+    fulls, cover = [], R == 3
 
     def make():
         return [(torch.randn(m, K, generator=g), torch.randn(K, N, generator=g),
-                 torch.full((M, N), float("nan"))) for _ in range(R)]  # fmt: skip
+                 torch.full((M, N), float("nan")), torch.randn(M, 5, generator=g),
+                 torch.full((K, 5) if cover else (0,), float("nan")))
+                for _ in range(R)]  # fmt: skip
 
-    def issue(r, ctx, x, w, out):
+    def issue(r, ctx, x, w, out, b, c):
         fulls.append(torch.full((M, K), float("nan")))
-        _engine._gathered(x, w, out, fulls[-1], p, ctx, TorchTransport, False)
-        return out
+        both = (b, c) if cover else ()
+        _engine._gathered(x, w, out, fulls[-1], p, ctx, TorchTransport, False, cover=both)
+        return torch.cat((out.flatten(), c.flatten()))
 
     try:
         calls = two_calls(sim, R, ahead, issue, contexts, make, slow)
@@ -110,7 +123,10 @@ def test_nccl_all_gather_consumer(R, m, chunks, ahead, slow, monkeypatch):
     for i, (inputs, outs, seen) in enumerate(calls):
         full = torch.cat([a[0] for a in inputs]).double()
         for r in range(R):
-            check(outs, seen, full @ inputs[r][1].double(), i, r, rtol=1e-5, atol=1e-5)
+            b, c = inputs[r][3:]
+            c = (full.t() @ b.double()) if cover else c.double()
+            ref = torch.cat(((full @ inputs[r][1].double()).flatten(), c.flatten()))
+            check(outs, seen, ref, i, r, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(fulls[i * R + r].double(), full)
 
 

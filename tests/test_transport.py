@@ -79,17 +79,19 @@ def _reference(p, xs, ws, rank):
 @pytest.mark.parametrize("kind", ["peer", "host"])
 @pytest.mark.parametrize("collective", COLLECTIVES)
 @pytest.mark.parametrize(
-    ("R", "M", "N", "chunks", "ahead"),
-    [(2, 128, 80, 4, 0), (2, 100, 40, 8, 1), (3, 96, 70, 6, 2), (3, 192, 40, 6, 0)],
-)
+    ("R", "M", "N", "chunks", "ahead", "cover"),
+    [(2, 128, 80, 4, 0, False), (2, 100, 40, 8, 1, True), (3, 96, 70, 6, 2, True),
+     (3, 192, 40, 6, 0, False)],
+)  # fmt: skip
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_protocol_with_the_real_kernel(
-    kind, collective, R, M, N, chunks, ahead, dtype, monkeypatch
+    kind, collective, R, M, N, chunks, ahead, cover, dtype, monkeypatch
 ):
     """fp32 runs the kernel one program per tile (its tf32x3 path), fp16 as on 16-bit GPUs:
     persistent programs (3 in the interpreter), each a thread of its own (``_sim.Kernels``),
     so a program that waits on a flag before counting its earlier tiles deadlocks here as
-    on a GPU."""
+    on a GPU. With ``cover`` every call also computes a product on the caller stream between
+    the peers' tiles and its own block's (two launches, ``_engine.produce``), checked too."""
     sim, kernels, _ = install(monkeypatch)
     g = torch.Generator().manual_seed(R * 1000 + M + N)
     K = 16
@@ -104,12 +106,15 @@ def test_protocol_with_the_real_kernel(
 
     def make():
         return [(torch.randn(M, K, generator=g).to(dtype), torch.randn(N, K, generator=g)
-                 .to(dtype).t(), torch.full((rows, N), float("nan"), dtype=dtype))
+                 .to(dtype).t(), torch.full((rows, N), float("nan"), dtype=dtype),
+                 torch.randn(N, M, generator=g).to(dtype), torch.randn(M, K, generator=g)
+                 .to(dtype), torch.full((N, K) if cover else (0,), float("nan"), dtype=dtype))
                 for _ in range(R)]  # fmt: skip
 
-    def issue(r, ctx, x, w, out):
-        _engine.overlapped(x, w, out, p, None, ctx, type(ts[r]), False)
-        return out
+    def issue(r, ctx, x, w, out, a, b, c):
+        both = (a, b, c) if cover else ()
+        _engine.overlapped(x, w, out, p, None, ctx, type(ts[r]), False, cover=both)
+        return torch.cat((out.flatten(), c.flatten()))  # (on the caller stream)
 
     try:
         calls = two_calls(sim, R, ahead, issue, contexts, make)
@@ -119,7 +124,10 @@ def test_protocol_with_the_real_kernel(
     for i, (inputs, outs, seen) in enumerate(calls):
         xs, ws = [a[0] for a in inputs], [a[1] for a in inputs]
         for r in range(R):
-            check(outs, seen, _reference(p, xs, ws, r), i, r, rtol=tol, atol=10 * tol)
+            a, b, c = inputs[r][3:]
+            ref = _reference(p, xs, ws, r).flatten()
+            ref = torch.cat((ref, (a.double() @ b.double()).flatten() if cover else c.double()))
+            check(outs, seen, ref, i, r, rtol=tol, atol=10 * tol)
     # Stream memory operations go out in batches (each one graph node, which costs host time
     # at every replay): per stream at most one between two copies, and one at its end.
     copies = sum(op[0] == "copy" for ops in sim.ops.values() for op in ops)
@@ -128,15 +136,17 @@ def test_protocol_with_the_real_kernel(
 
 @pytest.mark.parametrize("kind", ["peer", "host"])
 @pytest.mark.parametrize(
-    ("R", "m", "chunks", "ahead"), [(2, 64, 4, 0), (2, 48, 2, 1), (3, 64, 6, 2)]
+    ("R", "m", "chunks", "ahead", "cover"),
+    [(2, 64, 4, 0, True), (2, 48, 2, 1, False), (3, 64, 6, 2, True)],
 )
-def test_all_gather_protocol(kind, R, m, chunks, ahead, monkeypatch):
+def test_all_gather_protocol(kind, R, m, chunks, ahead, cover, monkeypatch):
     """The all-gather through the copy engines and the call engine's consumer (cuBLAS per
     band, after ``arrived``): two calls in flight on every rank, a rank running ahead; every
     result row against float64 (a row read before its band arrived, or after the next call
     overwrote it, would differ), and (but in the first case) ``x_full``, which the
     communication stream copies out of the receive slots, read by the caller stream after the
-    call."""
+    call; with ``cover``, ``x_full^T b``, this rank's rows' share first and the others' from
+    the receive slots after the last band (``consume``)."""
     sim, kernels, _ = install(monkeypatch)  # (no kernel runs: the consumer's are torch ops)
     g = torch.Generator().manual_seed(R * 100 + m)
     K, N, M = 24, 20, R * m
@@ -149,14 +159,19 @@ def test_all_gather_protocol(kind, R, m, chunks, ahead, monkeypatch):
 
     keep = (R, m) != (2, 64)
 
+    L = 12
+
     def make():
         return [(torch.randn(m, K, generator=g), torch.randn(K, N, generator=g),
                  torch.full((M, N), float("nan")), torch.full((M, K) if keep else (0,),
+                 float("nan")), torch.randn(M, L, generator=g), torch.full((K, L),
                  float("nan"))) for _ in range(R)]  # fmt: skip
 
-    def issue(r, ctx, x, w, out, full):
-        _engine._gathered(x, w, out, full, p, ctx, type(ts[r]), False)
-        return torch.cat((out, full), dim=1) if keep else out  # (on the caller stream)
+    def issue(r, ctx, x, w, out, full, b, c):
+        both = (b, c) if cover else ()
+        _engine._gathered(x, w, out, full, p, ctx, type(ts[r]), False, cover=both)
+        parts = [out.flatten(), full.flatten(), c.flatten() if cover else c[:0].flatten()]
+        return torch.cat(parts)  # (on the caller stream)
 
     try:
         calls = two_calls(sim, R, ahead, issue, contexts, make)
@@ -165,9 +180,13 @@ def test_all_gather_protocol(kind, R, m, chunks, ahead, monkeypatch):
     for i, (inputs, outs, seen) in enumerate(calls):
         full = torch.cat([a[0] for a in inputs]).double()
         for r in range(R):
-            want = full @ inputs[r][1].double()
-            want = torch.cat((want, full), dim=1) if keep else want
-            check(outs, seen, want, i, r, rtol=1e-5, atol=1e-5)
+            b = inputs[r][4].double()
+            want = [
+                (full @ inputs[r][1].double()).flatten(),
+                full.flatten() if keep else full[:0].flatten(),
+                (full.t() @ b).flatten() if cover else b[:0].flatten(),
+            ]
+            check(outs, seen, torch.cat(want), i, r, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("kind", ["peer", "host"])

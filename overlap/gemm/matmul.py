@@ -225,20 +225,21 @@ def _chunked_matmul_kernel(
     out_ptr, recv_ref, flags_ptr, rank, world, first_band, bands_per_block, out_row0,
     M, N, K, stride_xm, stride_xk, stride_wk, stride_wn,
     num_pid_m, tiles_per_band, run_rows_full, run_rows_last, n_bands, chunk_cols, scale,
-    own_start, n_tiles,
+    lo, own_start, n_tiles,
     RUNS: tl.constexpr, X_DESC: tl.constexpr, W_MODE: tl.constexpr, P_DESC: tl.constexpr,
     EPILOGUE: tl.constexpr, HAS_SCALE: tl.constexpr, PRECISION: tl.constexpr,
     TRACE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, PERSISTENT: tl.constexpr, ASM_BARRIER: tl.constexpr,
 ):  # fmt: skip
-    # Tile ids are the launch order, so chunks finish in order. One program per tile, or
-    # (PERSISTENT, the copy engines' road: no SM is needed by the communication) one program
-    # per SM taking every num_programs-th tile: the peers' tiles (ids below own_start) in a
-    # flattened loop, whose next tile's loads overlap this one's epilogue, then this rank's
-    # own block, whose fused epilogue (flag waits, partials) stays out of the flattened loop.
+    # Tile ids are the launch order, so chunks finish in order; a launch takes ids [lo,
+    # n_tiles). One program per tile, or (PERSISTENT, the copy engines' road: no SM is needed
+    # by the communication) one program per SM taking every num_programs-th tile: the peers'
+    # tiles (ids below own_start) in a flattened loop, whose next tile's loads overlap this
+    # one's epilogue, then this rank's own block, whose fused epilogue (flag waits, partials)
+    # stays out of the flattened loop.
     if PERSISTENT:
         p0, step = tl.program_id(axis=0), tl.num_programs(axis=0)
-        for pid in tl.range(p0, own_start, step, flatten=True):
+        for pid in tl.range(lo + p0, own_start, step, flatten=True):
             _tile(
                 pid, x_ref, w_ref, slots_ptr, counter_ptr, trace_ptr, bad_rows_ptr, bad_cols_ptr,
                 out_ptr, recv_ref, flags_ptr, rank, world, first_band, bands_per_block,
@@ -248,7 +249,7 @@ def _chunked_matmul_kernel(
                 BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, True, ASM_BARRIER,
             )  # fmt: skip
         # the same round robin goes on past own_start
-        first = p0 + tl.cdiv(tl.maximum(own_start - p0, 0), step) * step
+        first = lo + p0 + tl.cdiv(tl.maximum(own_start - lo - p0, 0), step) * step
         for pid in tl.range(first, n_tiles, step):
             _tile(
                 pid, x_ref, w_ref, slots_ptr, counter_ptr, trace_ptr, bad_rows_ptr, bad_cols_ptr,
@@ -260,7 +261,7 @@ def _chunked_matmul_kernel(
             )  # fmt: skip
     else:
         _tile(
-            tl.program_id(axis=0), x_ref, w_ref, slots_ptr, counter_ptr, trace_ptr,
+            lo + tl.program_id(axis=0), x_ref, w_ref, slots_ptr, counter_ptr, trace_ptr,
             bad_rows_ptr, bad_cols_ptr, out_ptr, recv_ref, flags_ptr, rank, world, first_band,
             bands_per_block, out_row0, M, N, K, stride_xm, stride_xk, stride_wk, stride_wn,
             num_pid_m, tiles_per_band, run_rows_full, run_rows_last, n_bands, chunk_cols, scale,
@@ -298,6 +299,7 @@ def chunked_matmul(
     *,
     epilogue: Epilogue | None = None,
     trace: torch.Tensor | None = None,
+    part: str = "all",
 ) -> CompiledKernel | None:
     """Launch the GEMM of ``plan`` on the current stream, one program per tile.
 
@@ -314,6 +316,9 @@ def chunked_matmul(
             the ``c``-th band launched.
         trace: ``[4 * tiles]`` int64 (GPU only): per tile (launch order) its start and end
             in ns of the GPU's global timer, its SM and its chunk (``tools/timeline.py``).
+        part: "all" the tiles, or (with an epilogue) the "peers'" blocks' or this rank's
+            "own" block's alone: launched in that order with other work between, the own
+            tiles' waits for the peers' partials start after it (``_engine.produce``).
 
     Returns:
         Triton's compiled kernel (``n_regs``, ``n_spills``, ``asm``: for tools); None in
@@ -346,6 +351,11 @@ def chunked_matmul(
     # tiles' second K loop stays out of the flattened loop.
     persistent = epilogue is not None and not tf32x3
     e_args = (counters, counters, counters, 0, R, 0, 1, 0)  # unused
+    own_start = n_tiles - n_tiles // R if epilogue is not None else n_tiles  # (own block last)
+    ranges = {"all": (0, n_tiles), "peers": (0, own_start), "own": (own_start, n_tiles)}
+    if part not in ranges or (part != "all" and epilogue is None):
+        raise ValueError(f"part={part!r}: 'all', or with an epilogue 'peers' or 'own'")
+    lo, hi = ranges[part]
     if epilogue is not None:
         if not plan.blocked:
             raise ValueError("an epilogue needs a blocked plan (make_plan(blocked=True))")
@@ -364,7 +374,7 @@ def chunked_matmul(
         M, N, K, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
         plan.num_tile_rows, plan.band_tile_rows(0), plan.run_rows, plan.run_rows_last,
         plan.n_row_bands, plan.chunk_cols, 1.0 if scale is None else scale,
-        n_tiles - n_tiles // R if persistent else n_tiles, n_tiles,
+        lo, own_start, hi,
     )  # fmt: skip
     consts = dict(
         RUNS=plan.runs, X_DESC=x_ref is not x, W_MODE=w_mode, P_DESC=p_desc, EPILOGUE=mode,
@@ -373,13 +383,13 @@ def chunked_matmul(
         GROUP_M=plan.group_m, PERSISTENT=persistent, ASM_BARRIER=persistent and not interpret,
     )  # fmt: skip
     if not persistent:
-        return _launch(n_tiles, args, consts, t.num_warps, t.num_stages)
+        return _launch(hi - lo, args, consts, t.num_warps, t.num_stages)
     # The flattened loop keeps a buffer for the store beside the load stages: half a tile
     # (HALVES), so 256x128x64 or 128x256x64 bf16 with 4 stages takes 224 KB of the 227.
     es = x.element_size()
     stages = min(t.num_stages, (_SMEM - t.block_m * t.block_n * es // 2)
                  // ((t.block_m + t.block_n) * t.block_k * es))  # fmt: skip
-    return _launch(min(n_tiles, _programs(x.device)), args, consts, t.num_warps, stages)
+    return _launch(min(hi - lo, _programs(x.device)), args, consts, t.num_warps, stages)
 
 
 _SMEM = 227 * 1024  # shared memory per program on sm_90 (Triton's limit there)

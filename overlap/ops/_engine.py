@@ -254,10 +254,14 @@ def _issued(t: Transport, ctx: Context, p: Plan | GatherPlan) -> None:
 
 
 # -- after the matmul ------------------------------------------------------------------------
-def run_after(x, w, name, group, op, out, backend, chunks, label: str, sig=None) -> torch.Tensor:
+def run_after(
+    x, w, name, group, op, out, backend, chunks, label: str, sig=None, cover: tuple = ()
+) -> torch.Tensor:
     """A checked matmul + collective ``name`` call without autograd; ``label``: the op, as
     ``overlap.stats`` counts it; ``sig``: the call's signature where ``plain_again`` made it
-    (an eager call, not captured), None to make it here."""
+    (an eager call, not captured), None to make it here; ``cover``: ``(a, b, c)``, a product
+    ``c = a @ b`` (the backward's weight gradient) issued on the caller stream where it would
+    otherwise wait for the transfers (``produce``)."""
     cap = sig is None and capturing(x)  # (plain_again makes no signature while capturing)
     if sig is None and not cap:
         sig = _record.signature(name, group, op, backend, chunks, x, w)
@@ -272,13 +276,16 @@ def run_after(x, w, name, group, op, out, backend, chunks, label: str, sig=None)
     if cls is None:  # the plain path (or world size 1)
         stats.count(label, how(p))
         with _watch(ctx, cls, p, x, cap) if validating else contextlib.nullcontext():
-            return plain(x, w, out, p, scale, group, shape)
+            y = plain(x, w, out, p, scale, group, shape)
+        if cover:
+            torch.matmul(*cover[:2], out=cover[2])
+        return y
     if out is None:
         out = torch.empty(shape, dtype=x.dtype, device=x.device)
     key = None
     if sig is not None and cls.recorded and x.is_cuda:
-        key = (sig, _record.outputs(out))
-        replayed = _record.replay(key, _record.bases(x, out))  # a recorded call again
+        key = (sig, _record.outputs(out, *cover))
+        replayed = _record.replay(key, _record.bases(x, out, *cover))  # a recorded call again
         if replayed is not None:
             stats.count(label, "replayed via " + replayed.name)
             _issued(replayed, ctx, p)
@@ -286,10 +293,12 @@ def run_after(x, w, name, group, op, out, backend, chunks, label: str, sig=None)
     x2 = x if x.dim() == 2 else x.reshape(M, p.K)
     out2 = out if out.dim() == 2 else out.view(M, N)  # (-1: ambiguous when N = 0)
     with _watch(ctx, cls, p, x, cap) if validating else contextlib.nullcontext():
-        call = functools.partial(overlapped, x2, w, out2, p, scale, ctx, cls)
+        call = functools.partial(overlapped, x2, w, out2, p, scale, ctx, cls, cover=cover)
         if x2.data_ptr() != x.data_ptr():  # (a copy made x 2-D: nothing to record)
             key = None
-        updated = _record.recorded(call, ctx, cls, capturing=cap, key=key, moved=(x, out))
+        # (a cover's cuBLAS kernel: not rebound, as the all-gather's)
+        updated = _record.recorded(call, ctx, cls, capturing=cap, key=key,
+                                   moved=(x, out, *cover), rebound=not cover)  # fmt: skip
         stats.count(label, "updated via " + cls.name if updated else how(p))
         if cls.watched and not (cap or validating):
             _issued(ctx.transport(cls), ctx, p)
@@ -335,6 +344,7 @@ def overlapped(
     cls: type[Transport],
     capturing: bool,
     trace=None,
+    cover: tuple = (),
 ) -> None:
     """Stages 5-8 of plan ``p`` (``p.path == "overlap"``) on the current stream, with the
     context's transport, streams and counters: ``produce``. (``tools/timeline.py`` calls it
@@ -352,7 +362,7 @@ def overlapped(
         counters = ctx.counters
         counters.zero_()
     with _on_device(x2):
-        produce(x2, w, out2, p, scale, transport, counters, caller, s, trace)
+        produce(x2, w, out2, p, scale, transport, counters, caller, s, trace, cover)
 
 
 def _on_device(t: torch.Tensor):
@@ -361,11 +371,19 @@ def _on_device(t: torch.Tensor):
     return torch.cuda.device(t.device) if other else contextlib.nullcontext()
 
 
-def produce(x2, w, out2, p: Plan, scale, transport: Transport, counters, caller, s, trace=None):
+def produce(
+    x2, w, out2, p: Plan, scale, transport: Transport, counters, caller, s, trace=None,
+    cover: tuple = (),
+) -> None:  # fmt: skip
     """The GEMM of ``x2 [M, K] @ w [K, N]`` on ``caller`` counting each chunk's finished tiles
     in ``counters``, and the transport issuing chunk ``c`` on ``s`` once its counter is
     reached; ``caller`` then waits for ``s``. ``caller`` and ``s`` are None on CPU (the
     interpreter runs the kernel to completion, then the transport runs on the host).
+
+    ``cover``: ``(a, b, c)``, ``c = a @ b`` on ``caller`` where the GEMM would wait for the
+    transfers: with a copy-engine epilogue between the peers' blocks' tiles and this rank's
+    own block (whose tiles wait for the peers' partials, which travel meanwhile), else after
+    the GEMM (beside the last chunks' collectives).
 
     ``trace``: ``trace.tiles`` goes to the kernel, and ``trace.stamp(i)`` is called on the
     communication stream when chunk ``i // 2`` is ready (even ``i``) and when its transfer
@@ -385,7 +403,12 @@ def produce(x2, w, out2, p: Plan, scale, transport: Transport, counters, caller,
     if s is not None:
         s.wait_stream(caller)  # inputs and buffers are ready before `s` touches them
     tiles = trace.tiles if trace is not None else None
-    chunked_matmul(x2, w, slots, counters, p, scale, epilogue=epilogue, trace=tiles)
+    parts = ("peers", "own") if cover and epilogue is not None else ("all",)
+    for part in parts:
+        chunked_matmul(x2, w, slots, counters, p, scale, epilogue=epilogue, trace=tiles,
+                       part=part)  # fmt: skip
+        if cover and part != "own":
+            torch.matmul(*cover[:2], out=cover[2])
     guard.arm()  # (after the kernel: its first launch compiles it)
     try:
         transport.run(p, slots, out2, wait, s)
@@ -423,9 +446,11 @@ def plain(x, w, out, p: Plan, scale: float | None, group, shape) -> torch.Tensor
 
 
 # -- before the matmul -----------------------------------------------------------------------
-def run_before(x, w, group, out, backend, chunks, keep: bool):
+def run_before(x, w, group, out, backend, chunks, keep: bool, cover: tuple = ()):
     """A checked ``all_gather_matmul`` call without autograd: ``(out, x_full)``, the second
-    ``[R m, K]`` when ``keep`` else empty."""
+    ``[R m, K]`` when ``keep`` (or a cover needed it) else empty; ``cover``: ``(b, c)``,
+    ``c = x_full^T @ b`` (the backward's weight gradient, ``x`` the result's gradient) on the
+    caller stream, this rank's rows' share while the others travel (``consume``)."""
     cap = capturing(x)
     sig = None if cap else _record.signature("all_gather", group, "sum", backend, chunks, x, w)
     p, ctx, cls, shape = decide(x, w, "all_gather", group, chunks, backend, cap, sig)
@@ -434,11 +459,13 @@ def run_before(x, w, group, out, backend, chunks, keep: bool):
         out = x.new_empty(shape)
     else:
         check_out(out, shape, x, w)
+    # (NCCL's slots are reused band by band: a cover reads x_full)
+    keep = keep or bool(cover) and p.path == "overlap" and not p.blocked
     key = None
     if sig is not None and cls is not None and cls.recorded and x.is_cuda:
         full = x.new_empty((M, K) if keep else (0,))  # (outside a recorded graph's pool)
-        key = (sig, _record.outputs(out, full))
-        replayed = _record.replay(key, _record.bases(x, out, full))  # a recorded call again
+        key = (sig, _record.outputs(out, full, *cover))
+        replayed = _record.replay(key, _record.bases(x, out, full, *cover))  # recorded: again
         if replayed is not None:
             stats.count("all_gather_matmul", "replayed via " + replayed.name)
             _issued(replayed, ctx, p)
@@ -455,14 +482,16 @@ def run_before(x, w, group, out, backend, chunks, keep: bool):
                 full = x.new_empty(M, K)
                 p.spec.plain(x2.contiguous(), full, group)
             torch.matmul(full, w, out=out)
+            if cover:
+                torch.matmul(full.t(), cover[0], out=cover[1])
             full = (full if R > 1 else full.clone()) if keep else x.new_empty(0)  # (R = 1: x)
         else:
             if key is None:
                 full = x.new_empty((M, K) if keep else (0,))
             elif x2.data_ptr() != x.data_ptr():  # (a copy made x 2-D: nothing to record)
                 key = None
-            call = functools.partial(_gathered, x2, w, out, full, p, ctx, cls)
-            moved = (x, out, full)  # (cuBLAS kernels: not rebound)
+            call = functools.partial(_gathered, x2, w, out, full, p, ctx, cls, cover=cover)
+            moved = (x, out, full, *cover)  # (cuBLAS kernels: not rebound)
             updated = _record.recorded(call, ctx, cls, capturing=cap, key=key, moved=moved,
                                        rebound=False)  # fmt: skip
             stats.count("all_gather_matmul", "updated via " + cls.name if updated else how(p))
@@ -485,20 +514,29 @@ def _keep_gathered(transport: Transport, p: GatherPlan, buf, x2, full, own: slic
                 full[rows].copy_(buf[rows])
 
 
-def _gathered(x2, w, out, full, p: GatherPlan, ctx: Context, cls, capturing: bool) -> None:
+def _gathered(
+    x2, w, out, full, p: GatherPlan, ctx: Context, cls, capturing: bool, cover: tuple = ()
+) -> None:
     """Stages 6-8 of an all-gather with plan ``p`` on the current stream: ``consume``."""
     transport = ctx.transport(cls, capturing)
     s = ctx.comm_stream
     with _on_device(x2):
         caller = torch.cuda.current_stream(x2.device) if s is not None else None
-        consume(x2, w, out, full, p, transport, ctx.rank, caller, s)
+        consume(x2, w, out, full, p, transport, ctx.rank, caller, s, cover)
 
 
-def consume(x2, w, out, full, p: GatherPlan, transport: Transport, rank: int, caller, s) -> None:
+def consume(
+    x2, w, out, full, p: GatherPlan, transport: Transport, rank: int, caller, s, cover=()
+) -> None:
     """The transport gathers every rank's shard on ``s`` while ``caller`` multiplies this
     rank's own rows ``x2 [m, K]`` (no wait), then each band of the other shards once it has
     arrived, into ``out [R m, N]``; ``full``: ``x_full [R m, K]`` or empty. ``caller`` then
-    waits for ``s``."""
+    waits for ``s``.
+
+    ``cover``: ``(b [R m, L], c [K, L])``, ``c = x_full^T b`` on ``caller``: with a blocked
+    plan this rank's rows' share right after their product (while the other shards travel),
+    the others' rows added from the receive buffer after the last band (one or two more
+    roundings of ``c``, on each side of this rank's rows); else from ``full`` at the end."""
     R, N, K = p.world_size, w.shape[1], p.K
     m, keep = p.M // R, full.numel() > 0
     own = slice(rank * m, (rank + 1) * m)
@@ -506,6 +544,8 @@ def consume(x2, w, out, full, p: GatherPlan, transport: Transport, rank: int, ca
         guard.arm()
         buf = transport.gather(p, x2.contiguous(), s, caller)  # `s` waits for `caller`
         torch.matmul(x2, w, out=out[own])  # own rows: no wait
+        if cover and p.blocked:
+            torch.matmul(x2.t(), cover[0][own], out=cover[1])
         out3 = out.view(R, m, N)
         for q, h, chunks in p.shard_bands:
             transport.arrived(p, chunks, caller)
@@ -524,6 +564,12 @@ def consume(x2, w, out, full, p: GatherPlan, transport: Transport, rank: int, ca
             _keep_gathered(transport, p, buf, x2, full, own, s)
         elif keep:
             full[own] = x2
+        if cover and p.blocked:
+            for rows in (slice(0, own.start), slice(own.stop, p.M)):
+                if rows.stop > rows.start:
+                    cover[1].addmm_(buf[rows].t(), cover[0][rows])
+        elif cover:
+            torch.matmul(full.t(), cover[0], out=cover[1])
     finally:
         if s is not None:
             caller.wait_stream(s)  # as in `produce`
