@@ -128,7 +128,7 @@ class PeerTransport(Transport):
     """Copy-engine pushes into symmetric-memory receive buffers; one per (group, device)."""
 
     name, blocked, column_bands, road, sized, recorded = "ce", True, False, "peer", True, True
-    watched = True
+    watched, covers = True, False
     a2a_in_place = True  # all-to-all may use `out`'s peer blocks as scratch (run's order)
 
     def __init__(self, group: dist.ProcessGroup | None, device: torch.device) -> None:

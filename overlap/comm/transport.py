@@ -105,7 +105,12 @@ class Transport:
     - ``recorded``: a repeated eager call is recorded into a CUDA graph and replayed
       (``overlap/ops/_record.py``);
     - ``watched``: with validation off, ``guard.watchdog`` watches its calls in flight (torch
-      watches its own collectives). Such a transport has ``group`` and ``device``.
+      watches its own collectives). Such a transport has ``group`` and ``device``;
+    - ``covers``: the backward's weight gradient is issued inside its calls, where the caller
+      stream would wait for the transfers (``_engine.produce``'s ``cover``); False GPU to
+      GPU, where a transfer outlasts its GEMM by ~0.1 ms at most and the cover's cuBLAS
+      kernel would keep a recorded graph from being rebound (more graph updates: the model
+      bench's training step 0.3-0.45 ms slower, 8B TP 2, 4x H200, 2026-11-28).
 
     State every transport has: ``broken`` (why it was failed, ``fail``; empty while usable:
     ``Context.transport`` refuses a broken one), ``generation``
@@ -121,6 +126,7 @@ class Transport:
     sized: bool = False
     recorded: bool = False
     watched: bool = False
+    covers: bool = True
     broken: str = ""
     generation: int = 0
     graph_pool = None

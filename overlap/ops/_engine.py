@@ -261,11 +261,16 @@ def run_after(
     ``overlap.stats`` counts it; ``sig``: the call's signature where ``plain_again`` made it
     (an eager call, not captured), None to make it here; ``cover``: ``(a, b, c)``, a product
     ``c = a @ b`` (the backward's weight gradient) issued on the caller stream where it would
-    otherwise wait for the transfers (``produce``)."""
+    otherwise wait for the transfers (``produce``), where the transport ``covers``; else (and
+    on the plain path) after the call."""
     cap = sig is None and capturing(x)  # (plain_again makes no signature while capturing)
     if sig is None and not cap:
         sig = _record.signature(name, group, op, backend, chunks, x, w)
     p, ctx, cls, shape = decide(x, w, name, group, chunks, backend, cap, sig)
+    if cover and not (cls is not None and cls.covers):  # after the call (``Transport``)
+        y = run_after(x, w, name, group, op, out, backend, chunks, label, sig)
+        torch.matmul(*cover[:2], out=cover[2])
+        return y
     if out is not None:
         check_out(out, shape, x, w)
     R, M, N = p.world_size, p.M, p.N
@@ -276,10 +281,7 @@ def run_after(
     if cls is None:  # the plain path (or world size 1)
         stats.count(label, how(p))
         with _watch(ctx, cls, p, x, cap) if validating else contextlib.nullcontext():
-            y = plain(x, w, out, p, scale, group, shape)
-        if cover:
-            torch.matmul(*cover[:2], out=cover[2])
-        return y
+            return plain(x, w, out, p, scale, group, shape)
     if out is None:
         out = torch.empty(shape, dtype=x.dtype, device=x.device)
     key = None
@@ -450,17 +452,21 @@ def run_before(x, w, group, out, backend, chunks, keep: bool, cover: tuple = ())
     """A checked ``all_gather_matmul`` call without autograd: ``(out, x_full)``, the second
     ``[R m, K]`` when ``keep`` (or a cover needed it) else empty; ``cover``: ``(b, c)``,
     ``c = x_full^T @ b`` (the backward's weight gradient, ``x`` the result's gradient) on the
-    caller stream, this rank's rows' share while the others travel (``consume``)."""
+    caller stream, this rank's rows' share while the others travel (``consume``), where the
+    transport ``covers``; else (and on the plain path) after the call."""
     cap = capturing(x)
     sig = None if cap else _record.signature("all_gather", group, "sum", backend, chunks, x, w)
     p, ctx, cls, shape = decide(x, w, "all_gather", group, chunks, backend, cap, sig)
+    if cover and not (cls is not None and cls.covers):  # after the call (``Transport``)
+        out, full = run_before(x, w, group, out, backend, chunks, True)
+        torch.matmul(full.t(), cover[0], out=cover[1])
+        return out, full if keep else x.new_empty(0)
     M, K, R = p.M, p.K, p.world_size
     if out is None:
         out = x.new_empty(shape)
     else:
         check_out(out, shape, x, w)
-    # (NCCL's slots are reused band by band: a cover reads x_full)
-    keep = keep or bool(cover) and p.path == "overlap" and not p.blocked
+    keep = keep or bool(cover) and not p.blocked  # (NCCL's slots, reused: a cover reads x_full)
     key = None
     if sig is not None and cls is not None and cls.recorded and x.is_cuda:
         full = x.new_empty((M, K) if keep else (0,))  # (outside a recorded graph's pool)
@@ -482,8 +488,6 @@ def run_before(x, w, group, out, backend, chunks, keep: bool, cover: tuple = ())
                 full = x.new_empty(M, K)
                 p.spec.plain(x2.contiguous(), full, group)
             torch.matmul(full, w, out=out)
-            if cover:
-                torch.matmul(full.t(), cover[0], out=cover[1])
             full = (full if R > 1 else full.clone()) if keep else x.new_empty(0)  # (R = 1: x)
         else:
             if key is None:
