@@ -113,6 +113,26 @@ def test_epilogue_needs_a_blocked_plan():
                        counters, p, epilogue=epi)  # fmt: skip
 
 
+@pytest.mark.parametrize("part", ["peers", "own", "half"])
+def test_part_needs_an_epilogue_and_a_known_name(part):
+    """``part`` other than "all" launches a blocked plan's peers' or own tiles: without an
+    epilogue (no own block) or under another name it raises, naming ``part``."""
+    p = make_plan(
+        64, 64, 32, world_size=2, collective="all_reduce", dtype_bits=32, interpreter=True, chunks=2
+    )
+    with pytest.raises(ValueError, match="part="):
+        chunked_matmul(torch.randn(64, 32), torch.randn(32, 64), torch.empty(64 * 64),
+                       _counters(), p, part=part)  # fmt: skip
+    if part == "half":  # (with an epilogue too)
+        bp = make_plan(64, 64, 32, world_size=2, collective="reduce_scatter", dtype_bits=32,
+                       interpreter=True, chunks=2, blocked=True)  # fmt: skip
+        counters = _counters()
+        epi = Epilogue(torch.empty(32, 64), torch.empty(2, 32, 64), counters, 0)
+        with pytest.raises(ValueError, match="part="):
+            chunked_matmul(torch.randn(64, 32), torch.randn(32, 64), torch.empty(64 * 64),
+                           counters, bp, epilogue=epi, part=part)  # fmt: skip
+
+
 def test_counter_short_of_its_target_raises():
     """On CPU a counter left short of its tile count (tiles lost) raises, never passes."""
     p = make_plan(
