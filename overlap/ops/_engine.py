@@ -513,9 +513,13 @@ def _keep_gathered(transport: Transport, p: GatherPlan, buf, x2, full, own: slic
     transport.arrived(p, tuple(c for _, _, chunks in p.shard_bands for c in chunks), s)
     with torch.cuda.stream(s):
         full[own].copy_(x2)
-        for rows in (slice(0, own.start), slice(own.stop, p.M)):
-            if rows.stop > rows.start:
-                full[rows].copy_(buf[rows])
+        for rows in _others(own, p.M):
+            full[rows].copy_(buf[rows])
+
+
+def _others(own: slice, M: int) -> list[slice]:
+    """The rows of ``[0, M)`` on each side of this rank's ``own``, where there are any."""
+    return [r for r in (slice(0, own.start), slice(own.stop, M)) if r.stop > r.start]
 
 
 def _gathered(
@@ -569,9 +573,8 @@ def consume(
         elif keep:
             full[own] = x2
         if cover and p.blocked:
-            for rows in (slice(0, own.start), slice(own.stop, p.M)):
-                if rows.stop > rows.start:
-                    cover[1].addmm_(buf[rows].t(), cover[0][rows])
+            for rows in _others(own, p.M):
+                cover[1].addmm_(buf[rows].t(), cover[0][rows])
         elif cover:
             torch.matmul(full.t(), cover[0], out=cover[1])
     finally:
