@@ -2,7 +2,8 @@
 
 Code asks a ``Collective`` for what it needs (does it reduce? which rows does a rank get?)
 instead of comparing names. Pure Python at import time, so ``overlap.plan`` can use it;
-the torch equivalents import ``torch.distributed`` when called.
+the torch equivalents import ``torch.distributed`` at their first call (``_torch``: once, an
+import statement per call costs the plain path ~0.3 us).
 
 ==============  ==========  ============  ==========================  ========================
 name            direction   result rows   plain torch                 input gradient
@@ -24,6 +25,7 @@ computes the input gradient ``g @ w^T`` (tensor parallelism's mirror pairs), or 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -52,17 +54,18 @@ class Collective:
     splits_rows: bool
     dual: str | None = None
 
-    @property
+    # (cached: the plain path reads them at every call)
+    @functools.cached_property
     def before(self) -> bool:
         """The collective moves the matmul's input (all-gather), not its product."""
         return self.direction == BEFORE
 
-    @property
+    @functools.cached_property
     def replicated(self) -> bool:
         """Every rank gets the whole reduced product (all-reduce)."""
         return self.reduces and not self.splits_rows
 
-    @property
+    @functools.cached_property
     def scatters(self) -> bool:
         """Each rank gets only its own block of the reduced rows (reduce-scatter)."""
         return self.reduces and self.splits_rows
@@ -81,8 +84,7 @@ class Collective:
         """The torch collective of a product ``y [M, N]`` into ``out`` (the result;
         the all-reduce runs in place, so ``out`` is ``y`` there); for the all-gather, of the
         input shard ``y [M / R, K]`` into ``out [M, K]``."""
-        import torch.distributed as dist
-
+        dist = _dist or _torch()
         if self.before:
             all_gather(out, y, group)
         elif self.replicated:
@@ -122,18 +124,31 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | 
     """``out`` (``R n``, contiguous) = every rank's ``inp`` (``n``), in rank order: torch's
     ``all_gather_single`` where it exists (2.13 deprecates ``all_gather_into_tensor`` with a
     FutureWarning; the GPU image's 2.11 has only the old name)."""
-    import torch.distributed as dist
-
-    getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(out, inp, group=group)
+    getattr(_dist or _torch(), _names[0])(out, inp, group=group)
 
 
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None) -> None:
     """``out`` (``n``) = this rank's ``n`` elements of the sum of ``inp`` (``R n``):
     ``reduce_scatter_single`` where it exists, else ``reduce_scatter_tensor`` (as
     ``all_gather``)."""
+    getattr(_dist or _torch(), _names[1])(out, inp, group=group)
+
+
+_dist = None  # torch.distributed, once _torch imported it
+_names = ("all_gather_single", "reduce_scatter_single")  # or 2.11's names (_torch)
+
+
+def _torch():
+    """``torch.distributed``, imported at the first call; torch's names for the all-gather
+    and reduce-scatter into one tensor looked up with it (by name at every call: tests wrap
+    them)."""
+    global _dist, _names
     import torch.distributed as dist
 
-    getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(out, inp, group=group)
+    old = ("all_gather_into_tensor", "reduce_scatter_tensor")
+    _names = tuple(n if hasattr(dist, n) else o for n, o in zip(_names, old, strict=True))
+    _dist = dist
+    return dist
 
 
 _TABLE = {

@@ -398,7 +398,8 @@ def _reference(coll: str, x: torch.Tensor, w: torch.Tensor, R: int) -> torch.Ten
 def _graphs(rank, R, seed, backend):
     """Overlapped calls captured in one CUDA graph and replayed on fresh inputs: every replay
     must wait for its own tiles (the graph zeroes its counters), eager calls between replays
-    must keep working, and outputs start as NaN before each replay."""
+    must keep working, and outputs start as NaN before each replay. Plain-path calls captured
+    on the stream of their eager warm-up (the memo answers them there) replay too."""
     import overlap
 
     dev = torch.device(f"cuda:{rank}")
@@ -414,26 +415,39 @@ def _graphs(rank, R, seed, backend):
                         device=dev, dtype=torch.bfloat16)
             for (c, *_), x, w in zip(cases, xs, ws, strict=True)]  # fmt: skip
 
+    # small products without out=: the plain path, which the warm-up's second call takes from
+    # the calls' memo (plain_again) and the capture on the same stream too
+    small = [(c, torch.empty(16 * R, 64, device=dev, dtype=torch.bfloat16),
+              torch.randn(64, 32, device=dev, generator=g, dtype=torch.bfloat16) / 8)
+             for c in COLLECTIVES]  # fmt: skip
+
     def calls():
         for (coll, _, _, chunks), x, w, out in zip(cases, xs, ws, outs, strict=True):
             overlap.matmul_collective(x, w, coll, out=out, chunks=chunks, backend=backend)
+        return [overlap.matmul_collective(x, w, coll, backend=backend) for coll, x, w in small]
 
     side = torch.cuda.Stream(dev)
     side.wait_stream(torch.cuda.current_stream(dev))
     with torch.cuda.stream(side):  # warm-up: kernels compiled, communicators made
-        for x in xs:
+        for x in [*xs, *(x for _, x, _ in small)]:
             x.normal_(generator=g)
+        calls()
         calls()
     torch.cuda.synchronize(dev)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        calls()
+    with torch.cuda.graph(graph, stream=side):
+        got = calls()
     for replay in range(3):
         for x, out in zip(xs, outs, strict=True):
             x.normal_(generator=g)
             out.fill_(float("nan"))
+        for (_, x, _), y in zip(small, got, strict=True):
+            x.normal_(generator=g)
+            y.fill_(float("nan"))
         graph.replay()
-        for (coll, *_), x, w, out in zip(cases, xs, ws, outs, strict=True):
+        results = [(coll, x, w, out) for (coll, *_), x, w, out in zip(cases, xs, ws, outs,
+                   strict=True)] + [(*c, y) for c, y in zip(small, got, strict=True)]  # fmt: skip
+        for coll, x, w, out in results:
             why = mismatch(out, _reference(coll, x, w, R), TOL[torch.bfloat16])
             failures += [f"replay {replay} {coll} {tuple(x.shape)}: {why}"] if why else []
         msg = check_case(  # an eager call between replays: its counters are untouched

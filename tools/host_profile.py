@@ -4,13 +4,13 @@
     torchrun --nproc-per-node=2 tools/host_profile.py --shape 4096x8192x4096 \
         --collective reduce_scatter --backend torch
 
-Rank 0 prints (and writes) the host milliseconds per call of the plain torch calls, the
-library's call without ``out=`` (as a model makes it: a product under the plain-path line
-takes ``ops._engine.plain_again`` from its second call on) and the overlapped path, the
-overlapped call's when replayed from a CUDA graph (``graph.replay()``), and the functions
-that take the most time, own time first (the overlapped call's raw profile goes to
-OUT.prof). The GPU sleeps between calls so that the host never waits for it and only the
-host's own work is measured: each call alone after a barrier, after other work (a matmul
+Rank 0 prints (and writes) the host milliseconds per call of torch's own calls (a result
+made at each), the library's call without ``out=`` (as a model makes it: a product under the
+plain-path line takes ``ops._engine.plain_again`` from its second call on) and the
+overlapped path, the overlapped call's when replayed from a CUDA graph (``graph.replay()``),
+and the functions that take the most time, own time first (the overlapped call's raw profile
+goes to OUT.prof). The GPU sleeps between calls so that the host never waits for it and only
+the host's own work is measured: each call alone after a barrier, after other work (a matmul
 and an activation issued just before it, as between a model's layers), the same with the
 ranks taking turns (``--one-gpu``: while one rank issues, the other waits at a barrier, as
 if each had its GPU to itself), and calls back to back in bursts of ``BURST``; then the call
@@ -97,13 +97,22 @@ def main() -> None:
     out = torch.empty(M // R if args.collective == "reduce_scatter" else M, N, dtype=x.dtype,
                       device=dev)  # fmt: skip
 
-    def plain():  # what users write today
+    ag = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+    def plain():  # what users write today: torch's own calls, the result made at every call
         if gathers:
             full = x.new_empty(M, K)
-            collective(args.collective).plain(x, full, None)
+            ag(full, x)
             torch.matmul(full, w, out=out)
+            return
+        y = x @ w
+        if args.collective == "all_reduce":
+            dist.all_reduce(y)
+        elif args.collective == "reduce_scatter":
+            rs(y.new_empty(M // R, N), y)
         else:
-            collective(args.collective).plain(x @ w, out, None)
+            dist.all_to_all_single(torch.empty_like(y), y)
 
     import overlap.ops._record
 

@@ -81,12 +81,14 @@ from ._checks import (
 class Known(NamedTuple):
     """What a call was decided to run: its plan, context and transport class (None at world
     size 1 or on the plain path: nothing to record or replay) and its result's shape (the
-    all-gather's ``[R m, N]``)."""
+    all-gather's ``[R m, N]``) and its path as ``overlap.stats`` counts it (``how``: made
+    once, not at every call)."""
 
     plan: Plan | GatherPlan
     ctx: Context | None
     cls: type[Transport] | None
     shape: tuple[int, ...]
+    how: str
 
 
 # calls kept in ``context.calls`` before it is emptied (a model's call sites are a few hundred)
@@ -102,7 +104,7 @@ def decide(x, w, name, group, chunks, backend, capturing: bool, sig: tuple | Non
     p, ctx, cls = _decide(x, w, name, group, chunks, backend, capturing)
     R = p.world_size
     shape = (p.M, w.shape[1]) if p.spec.before else p.spec.result_shape(tuple(x.shape), p.N, R)
-    known = Known(p, ctx, cls, shape)
+    known = Known(p, ctx, cls, shape, how(p))
     if sig is not None:  # (not while capturing: its choice depends on the transport's buffers)
         if len(calls) >= MAX_CALLS:
             calls.clear()
@@ -266,7 +268,7 @@ def run_after(
     cap = sig is None and capturing(x)  # (plain_again makes no signature while capturing)
     if sig is None and not cap:
         sig = _record.signature(name, group, op, backend, chunks, x, w)
-    p, ctx, cls, shape = decide(x, w, name, group, chunks, backend, cap, sig)
+    p, ctx, cls, shape, path = decide(x, w, name, group, chunks, backend, cap, sig)
     if cover and not (cls is not None and cls.covers):  # after the call (``Transport``)
         y = run_after(x, w, name, group, op, out, backend, chunks, label, sig)
         torch.matmul(*cover[:2], out=cover[2])
@@ -279,7 +281,7 @@ def run_after(
     if validating:
         _agree(group, p, x.dtype, op)
     if cls is None:  # the plain path (or world size 1)
-        stats.count(label, how(p))
+        stats.count(label, path)
         with _watch(ctx, cls, p, x, cap) if validating else contextlib.nullcontext():
             return plain(x, w, out, p, scale, group, shape)
     if out is None:
@@ -301,7 +303,7 @@ def run_after(
         # (a cover's cuBLAS kernel: not rebound, as the all-gather's)
         updated = _record.recorded(call, ctx, cls, capturing=cap, key=key,
                                    moved=(x, out, *cover), rebound=not cover)  # fmt: skip
-        stats.count(label, "updated via " + cls.name if updated else how(p))
+        stats.count(label, "updated via " + cls.name if updated else path)
         if cls.watched and not (cap or validating):
             _issued(ctx.transport(cls), ctx, p)
     return out
@@ -314,20 +316,27 @@ def plain_again(x, w, name, group, op, backend, chunks, label: str) -> tuple:
     within a few microseconds of torch's own). Otherwise ``(None, sig)``: the call takes the
     full way (``run_after``), whose checks raise for invalid arguments; ``sig`` is the
     signature made here for it (None where none was: autograd, compile, capture, unhashable
-    or non-tensor arguments)."""
+    or non-tensor arguments).
+
+    A capture is looked at only where the memo does not answer (a CUDA call costs host time):
+    a call the memo holds with the plain path was decided so eagerly, with the group's road
+    known, and a capture decides the same (it can only take a transport with more host time
+    than the eager call's, ``comm.select``), so the plain path is what the full way would
+    capture too."""
     if not (isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor)) or \
             (chunks is not None and type(chunks) is not int) or needs_grad(x, w) or \
-            torch.compiler.is_compiling() or capturing(x):  # fmt: skip
+            torch.compiler.is_compiling():  # fmt: skip
         return None, None
     try:
         sig = _record.signature(name, group, op, backend, chunks, x, w)
         known = calls.get(sig) if sig is not None else None
     except TypeError:  # an unhashable argument: the checks name it
         return None, None
+    # (an all-gather's signature: all_gather_matmul made it, not this op)
     if known is None or known.cls is not None or known.plan.spec.before:
-        return None, sig  # (an all-gather's signature: all_gather_matmul made it, not this op)
+        return None, None if capturing(x) else sig
     p = known.plan
-    stats.count(label, how(p))
+    stats.count(label, known.how)
     return plain(x, w, None, p, _scale(op, p.world_size), group, known.shape), None
 
 
@@ -456,7 +465,7 @@ def run_before(x, w, group, out, backend, chunks, keep: bool, cover: tuple = ())
     transport ``covers``; else (and on the plain path) after the call."""
     cap = capturing(x)
     sig = None if cap else _record.signature("all_gather", group, "sum", backend, chunks, x, w)
-    p, ctx, cls, shape = decide(x, w, "all_gather", group, chunks, backend, cap, sig)
+    p, ctx, cls, shape, path = decide(x, w, "all_gather", group, chunks, backend, cap, sig)
     if cover and not (cls is not None and cls.covers):  # after the call (``Transport``)
         out, full = run_before(x, w, group, out, backend, chunks, True)
         torch.matmul(full.t(), cover[0], out=cover[1])
@@ -482,7 +491,7 @@ def run_before(x, w, group, out, backend, chunks, keep: bool, cover: tuple = ())
         _agree(group, p, x.dtype)
     with _watch(ctx, cls, p, x, cap) if validating else contextlib.nullcontext():
         if p.path != "overlap":
-            stats.count("all_gather_matmul", how(p))
+            stats.count("all_gather_matmul", path)
             full = x2
             if R > 1:
                 full = x.new_empty(M, K)
@@ -498,7 +507,7 @@ def run_before(x, w, group, out, backend, chunks, keep: bool, cover: tuple = ())
             moved = (x, out, full, *cover)  # (cuBLAS kernels: not rebound)
             updated = _record.recorded(call, ctx, cls, capturing=cap, key=key, moved=moved,
                                        rebound=False)  # fmt: skip
-            stats.count("all_gather_matmul", "updated via " + cls.name if updated else how(p))
+            stats.count("all_gather_matmul", "updated via " + cls.name if updated else path)
             if cls.watched and not (cap or validating):
                 _issued(ctx.transport(cls), ctx, p)
     return out, full
