@@ -15,10 +15,12 @@ and an activation issued just before it, as between a model's layers), the same 
 ranks taking turns (``--one-gpu``: while one rank issues, the other waits at a barrier, as
 if each had its GPU to itself), and calls back to back in bursts of ``BURST``; then the call
 and its graph's bare replay alternating in the same rounds (their medians drift apart when
-timed minutes apart), after other work, at once and in turn. Calls repeat their arguments,
-so copy-engine calls replay their recorded graphs (``ops/_record.py``); ``--distinct`` lets
-the library keep one record (``ops._record.MAX_RECORDS = 1``) and alternates two outputs, so
-every call is issued in full.
+timed minutes apart), after other work, at once and in turn; and torch's calls and the
+library's without ``out=`` alternating in bursts (the plain path's cost over torch's). Calls
+repeat their arguments, so copy-engine calls replay their recorded graphs
+(``ops/_record.py``); ``--distinct`` lets the library keep one record
+(``ops._record.MAX_RECORDS = 1``) and alternates two outputs, so every call is issued in
+full.
 
 ``--one-gpu``: both ranks on GPU 0 over gloo (a machine with one GPU; the overlapped call
 only). The copy-engine transport then maps the other process's buffer on the same GPU, and
@@ -185,6 +187,15 @@ def main() -> None:
         buf = io.StringIO()
         pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
         lines.append(buf.getvalue())
+    if len(runs) == 2:  # torch's and the library's without out=, alternating in the same rounds
+        per = timed(runs[0][1], BURST, also=(runs[1][1],))  # (apart, they drift 20-40 us)
+        med = [statistics.median(v) for v in zip(*per, strict=True)]
+        diff = sorted((b - a) * 1e3 for a, b in per)
+        lines.append(f"in bursts of {BURST}, torch's calls and the library's without out= "
+                     f"alternating: median {med[0]:.4f} and {med[1]:.4f} ms per call; the "
+                     f"library's minus torch's per round: median {diff[len(diff) // 2]:.1f} us, "
+                     f"quartiles {diff[len(diff) // 4]:.1f} / "
+                     f"{diff[3 * len(diff) // 4]:.1f}")  # fmt: skip
     replay = functools.partial(ovl, out)
     if planned.path == "overlap":
         graph = torch.cuda.CUDAGraph(keep_graph=True)  # the overlapped call captured, replayed
