@@ -186,6 +186,25 @@ def test_plain_path_by_transport_and_link():
     assert gather.path == "fallback" and "small product" in gather.reason
 
 
+def test_consumer_one_product_where_it_outlasts_the_transfer():
+    """An all-gather's consumer multiplies the other shards in one product where this rank's
+    own product outlasts their transfer (``ops._engine._outlasts``, ``plan.gemm_outlasts``):
+    over NVLink the 8B gate/up and the 70B projections, not the 8B q/k/v or o inputs'
+    gradients; through host memory not at 8B dims (bf16, TP 2, 8192 tokens)."""
+    from overlap.ops._engine import _outlasts
+
+    def one(K, N, link, R=2, M=8192):
+        p = make_plan(M, 1, K, world_size=R, collective="all_gather", dtype_bits=16,
+                      blocked=True, transport="ce", link=link, chunks=4)  # fmt: skip
+        return _outlasts(p, N, 2, link)
+
+    assert one(4096, 14336, "peer") and one(4096, 7168, "peer")  # 8B w13, w2's dx
+    assert not one(4096, 3072, "peer") and not one(4096, 2048, "peer")  # 8B qkv, o's dx
+    assert one(8192, 5120, "peer") and one(8192, 4096, "peer")  # 70B qkv, o's dx
+    assert not one(4096, 14336, "host") and not one(4096, 14336, None)
+    assert not one(4096, 14336, "peer", R=8)  # seven shards to receive
+
+
 @pytest.mark.parametrize("collective", [*COLLECTIVES, "all_gather"])
 @pytest.mark.parametrize("R", [2, 4])
 def test_host_road_bands(collective, R):

@@ -136,18 +136,21 @@ def test_protocol_with_the_real_kernel(
 
 @pytest.mark.parametrize("kind", ["peer", "host"])
 @pytest.mark.parametrize(
-    ("R", "m", "chunks", "ahead", "cover"),
-    [(2, 64, 4, 0, True), (2, 48, 2, 1, False), (3, 64, 6, 2, True)],
-)
-def test_all_gather_protocol(kind, R, m, chunks, ahead, cover, monkeypatch):
+    ("R", "m", "chunks", "ahead", "cover", "one"),
+    [(2, 64, 4, 0, True, False), (2, 48, 2, 1, False, False), (3, 64, 6, 2, True, False),
+     (2, 64, 4, 1, True, True), (3, 64, 6, 2, False, True)],
+)  # fmt: skip
+def test_all_gather_protocol(kind, R, m, chunks, ahead, cover, one, monkeypatch):
     """The all-gather through the copy engines and the call engine's consumer (cuBLAS per
     band, after ``arrived``): two calls in flight on every rank, a rank running ahead; every
     result row against float64 (a row read before its band arrived, or after the next call
     overwrote it, would differ), and (but in the first case) ``x_full``, which the
     communication stream copies out of the receive slots, read by the caller stream after the
     call; with ``cover``, ``x_full^T b``, this rank's rows' share first and the others' from
-    the receive slots after the last band (``consume``)."""
+    the receive slots after the last band (``consume``); with ``one``, the other rows in one
+    product after their last band (``_outlasts``: a product that outlasts the transfer)."""
     sim, kernels, _ = install(monkeypatch)  # (no kernel runs: the consumer's are torch ops)
+    monkeypatch.setattr(_engine, "_outlasts", lambda *a: one)
     g = torch.Generator().manual_seed(R * 100 + m)
     K, N, M = 24, 20, R * m
     comms = streams(sim, R)

@@ -59,6 +59,7 @@ from ..plan import (
     GatherPlan,
     Plan,
     SplitPlan,
+    gemm_outlasts,
     make_plan,
     make_split_plan,
     splits_rows,
@@ -513,6 +514,17 @@ def run_before(x, w, group, out, backend, chunks, keep: bool, cover: tuple = ())
     return out, full
 
 
+def _outlasts(p: GatherPlan, N: int, itemsize: int, road: str | None) -> bool:
+    """Whether this rank's own product ``[M / R, K] @ [K, N]`` takes longer than the other
+    shards' transfer, at the planner's rates (``plan.gemm_outlasts``; both below an H200's):
+    then they have arrived when it ends, and ``consume`` multiplies them in one product, not
+    one per band (the bands' products cost 0.03-0.16 ms per op above one cuBLAS call at 70B,
+    TP 2, NVLink). ``N`` is this rank's own: the consumer's order is its own, no rank's
+    transfers depend on it."""
+    m = p.M // p.world_size
+    return gemm_outlasts(2 * m * p.K * N, (p.world_size - 1) * m * p.K * itemsize, road)
+
+
 def _keep_gathered(transport: Transport, p: GatherPlan, buf, x2, full, own: slice, s) -> None:
     """``x_full`` of a blocked all-gather: the buffer is in its layout already, so ``s`` (the
     communication stream) waits until every band has arrived and copies it with contiguous
@@ -550,6 +562,9 @@ def consume(
     arrived, into ``out [R m, N]``; ``full``: ``x_full [R m, K]`` or empty. ``caller`` then
     waits for ``s``.
 
+    Where this rank's own product outlasts the others' transfer (``_outlasts``), a blocked
+    plan's other rows are multiplied in one product after their last band, not band by band.
+
     ``cover``: ``(b [R m, L], c [K, L])``, ``c = x_full^T b`` on ``caller``: with a blocked
     plan this rank's rows' share right after their product (while the other shards travel),
     the others' rows added from the receive buffer after the last band (one or two more
@@ -564,7 +579,10 @@ def consume(
         if cover and p.blocked:
             torch.matmul(x2.t(), cover[0][own], out=cover[1])
         out3 = out.view(R, m, N)
-        for q, h, chunks in p.shard_bands:
+        bands = p.shard_bands
+        if p.blocked and _outlasts(p, N, x2.element_size(), transport.road):
+            bands = ((0, m, tuple(c for *_, cs in bands for c in cs)),)
+        for q, h, chunks in bands:
             transport.arrived(p, chunks, caller)
             if p.blocked:  # the standard layout: [R, m, K], rows q.. of every shard
                 a3 = buf.view(R, m, K)[:, q : q + h]

@@ -12,7 +12,7 @@ Python (no torch, no Triton), testable anywhere.
 from .gather import GatherPlan, make_gather_plan
 from .kernel import Plan, make_plan, splits_rows
 from .split import DEFAULT_SPLIT_CHUNKS, SplitPlan, band_rows, make_split_plan
-from .tiles import MAX_CHUNKS, Tiles, plain_reason, tiles_for
+from .tiles import MAX_CHUNKS, Tiles, gemm_outlasts, plain_reason, tiles_for
 
 __all__ = [
     "DEFAULT_SPLIT_CHUNKS",
@@ -22,6 +22,7 @@ __all__ = [
     "SplitPlan",
     "Tiles",
     "band_rows",
+    "gemm_outlasts",
     "make_gather_plan",
     "make_plan",
     "make_split_plan",
