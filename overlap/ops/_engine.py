@@ -522,7 +522,8 @@ def _outlasts(p: GatherPlan, N: int, itemsize: int, road: str | None) -> bool:
     TP 2, NVLink). ``N`` is this rank's own: the consumer's order is its own, no rank's
     transfers depend on it."""
     m = p.M // p.world_size
-    return gemm_outlasts(2 * m * p.K * N, (p.world_size - 1) * m * p.K * itemsize, road)
+    moved = (p.world_size - 1) * m * p.K * itemsize
+    return gemm_outlasts(2 * m * p.K * N, moved, road or "network")
 
 
 def _keep_gathered(transport: Transport, p: GatherPlan, buf, x2, full, own: slice, s) -> None:
@@ -531,7 +532,7 @@ def _keep_gathered(transport: Transport, p: GatherPlan, buf, x2, full, own: slic
     copies (copy engines: no SM; on the caller stream, one strided copy per band cost 0.73
     ms of a training step's SM time, 8B dims, 8192 tokens, 2 H100s), this rank's rows from
     ``x2``; the caller waits for ``s`` at the end of the call."""
-    transport.arrived(p, tuple(c for _, _, chunks in p.shard_bands for c in chunks), s)
+    transport.arrived(p, tuple(range(p.n_chunks)), s)
     with torch.cuda.stream(s):
         full[own].copy_(x2)
         for rows in _others(own, p.M):
@@ -581,7 +582,7 @@ def consume(
         out3 = out.view(R, m, N)
         bands = p.shard_bands
         if p.blocked and _outlasts(p, N, x2.element_size(), transport.road):
-            bands = ((0, m, tuple(c for *_, cs in bands for c in cs)),)
+            bands = ((0, m, tuple(range(p.n_chunks))),)
         for q, h, chunks in bands:
             transport.arrived(p, chunks, caller)
             if p.blocked:  # the standard layout: [R, m, K], rows q.. of every shard

@@ -49,7 +49,7 @@ def plain_reason(flop: float, moved: float, R: int, link: str, transport: str) -
     path by default, or None: its GEMM is shorter than the overlapped call's extra host time
     (``transport`` "ce": the copy engines') or than ``GEMM_MS_PER_RANK`` per rank, or it
     could hide under ``MIN_HIDDEN_MS``."""
-    gemm, comm = flop / GEMM_FLOP_PER_MS, moved / _link_rate(link or "peer")
+    gemm, comm = flop / GEMM_FLOP_PER_MS, moved / _link_rate(link)
     floor = max(EXTRA_HOST_MS["ce" if transport == "ce" else "nccl"], GEMM_MS_PER_RANK * R)
     if gemm < floor:
         return (f"small product ({flop:.2g} FLOP, ~{gemm:.3f} ms of GEMM): an overlapped "
@@ -61,14 +61,15 @@ def plain_reason(flop: float, moved: float, R: int, link: str, transport: str) -
     return None
 
 
-def gemm_outlasts(flop: float, moved: float, link: str | None) -> bool:
+def gemm_outlasts(flop: float, moved: float, link: str) -> bool:
     """Whether a GEMM of ``flop`` FLOP takes at least as long as ``moved`` bytes over ``link``
-    (a road of ``LINK_BYTES_PER_MS``; None: the network), at these rates."""
-    return flop / GEMM_FLOP_PER_MS >= moved / _link_rate(link or "network")
+    (as ``plain_reason``'s), at these rates."""
+    return flop / GEMM_FLOP_PER_MS >= moved / _link_rate(link)
 
 
 def _link_rate(link: str) -> float:
-    return LINK_BYTES_PER_MS.get(link, LINK_BYTES_PER_MS["network"])
+    """Bytes per ms over ``link``: a road of ``LINK_BYTES_PER_MS``, "" NVLink's."""
+    return LINK_BYTES_PER_MS.get(link or "peer", LINK_BYTES_PER_MS["network"])
 
 
 # Tile configs (block_m, block_n, block_k, num_warps, num_stages); the interpreter gets small
