@@ -136,11 +136,12 @@ def test_protocol_with_the_real_kernel(
 
 @pytest.mark.parametrize("kind", ["peer", "host"])
 @pytest.mark.parametrize(
-    ("R", "m", "chunks", "ahead", "cover", "one"),
-    [(2, 64, 4, 0, True, False), (2, 48, 2, 1, False, False), (3, 64, 6, 2, True, False),
-     (2, 64, 4, 1, True, True), (3, 64, 6, 2, False, True)],
+    ("R", "m", "chunks", "ahead", "cover", "one", "slow"),
+    [(2, 64, 4, 0, True, False, None), (2, 48, 2, 1, False, False, None),
+     (3, 64, 6, 2, True, False, None), (2, 64, 4, 1, True, True, None),
+     (3, 64, 6, 2, False, True, None), (3, 64, 6, 0, False, False, "comm1")],
 )  # fmt: skip
-def test_all_gather_protocol(kind, R, m, chunks, ahead, cover, one, monkeypatch):
+def test_all_gather_protocol(kind, R, m, chunks, ahead, cover, one, slow, monkeypatch):
     """The all-gather through the copy engines and the call engine's consumer (cuBLAS per
     band, after ``arrived``): two calls in flight on every rank, a rank running ahead; every
     result row against float64 (a row read before its band arrived, or after the next call
@@ -148,7 +149,9 @@ def test_all_gather_protocol(kind, R, m, chunks, ahead, cover, one, monkeypatch)
     communication stream copies out of the receive slots, read by the caller stream after the
     call; with ``cover``, ``x_full^T b``, this rank's rows' share first and the others' from
     the receive slots after the last band (``consume``); with ``one``, the other rows in one
-    product after their last band (``_outlasts``: a product that outlasts the transfer)."""
+    product after their last band (``_outlasts``: a product that outlasts the transfer);
+    with ``slow``, rank 1's communication stream runs only when nothing else can, so that a
+    copy of ``x_full`` that does not wait for every band reads rows still in flight."""
     sim, kernels, _ = install(monkeypatch)  # (no kernel runs: the consumer's are torch ops)
     monkeypatch.setattr(_engine, "_outlasts", lambda *a: one)
     g = torch.Generator().manual_seed(R * 100 + m)
@@ -177,7 +180,7 @@ def test_all_gather_protocol(kind, R, m, chunks, ahead, cover, one, monkeypatch)
         return torch.cat(parts)  # (on the caller stream)
 
     try:
-        calls = two_calls(sim, R, ahead, issue, contexts, make)
+        calls = two_calls(sim, R, ahead, issue, contexts, make, slow)
     finally:
         kernels.close()
     for i, (inputs, outs, seen) in enumerate(calls):
