@@ -184,11 +184,51 @@ def _siblings_case(rank, R, seed, sp):
     return None
 
 
+def _gathered(rank, R, seed) -> list[str]:
+    """``parallelize``'s attention under sequence parallelism: column layers of the whole
+    input take the products ``_Siblings.gather`` made (under ``inference_mode`` too, where the
+    gathered input has no version counter); called on another tensor with autograd on they
+    raise (the input gradient would be summed over the ranks twice: their own all-reduce, then
+    the gather's reduce-scatter), without autograd they compute it."""
+    g = torch.Generator().manual_seed(seed)
+    fulls = [nn.Linear(24, 4 * R) for _ in range(2)]
+    with torch.no_grad():
+        for p in (p for f in fulls for p in f.parameters()):
+            p.copy_(torch.randn(p.shape, generator=g))
+    x_full = torch.randn(4 * R, 3, 24, generator=g)  # [s, b, h]
+    layers = [ColumnParallelLinear.from_linear(f) for f in fulls]
+    share_input(*layers)
+    x, n = x_full[rank * 4 : (rank + 1) * 4].clone(), 4
+    wants = [f.double()(x_full.double().transpose(0, 1))[..., rank * n : (rank + 1) * n]
+             for f in fulls]  # fmt: skip
+    failures = []
+    _calls()
+    with torch.inference_mode():
+        whole = layers[0].siblings.gather(x)
+        ys = [layer(whole) for layer in layers]
+    if _calls() != 1:  # the gather's; the layers took its products
+        failures.append("inference_mode: the layers did not take the gather's products")
+    for y, want in zip(ys, wants, strict=True):
+        why = mismatch(y, want, TOL)
+        failures += [f"inference_mode: {why}"] if why else []
+    whole = layers[0].siblings.gather(x.requires_grad_())
+    try:
+        layers[0](whole * 1)
+        failures.append("a gathered sibling called on another tensor with autograd: no error")
+    except RuntimeError as e:
+        if "summed over the ranks twice" not in str(e):
+            failures.append(f"unclear error: {e}")
+    with torch.no_grad():
+        why = mismatch(layers[1](whole * 1), wants[1], TOL)
+    return failures + ([f"no_grad, another tensor: {why}"] if why else [])
+
+
 def _siblings(rank, R, seed):
     failures = []
     for i, sp in enumerate((False, True)):
         msg = _siblings_case(rank, R, seed + i, sp)
         failures += [msg] if msg else []
+    failures += _gathered(rank, R, seed + 2)
     layers = [ColumnParallelLinear(8, 2 * R), ColumnParallelLinear(6, 2 * R)]
     try:
         share_input(*layers)
@@ -215,6 +255,14 @@ def test_world_size_one_computes_nn_linear():
         layer = cls.from_linear(full)
         torch.testing.assert_close(layer(x), full(x))
         assert not isinstance(layer, nn.Linear)  # as the module docstring says
+
+
+def test_from_linear_keeps_requires_grad():
+    full = nn.Linear(4, 6).requires_grad_(False)
+    full.bias.requires_grad_(True)
+    for cls in (ColumnParallelLinear, RowParallelLinear):
+        layer = cls.from_linear(full)
+        assert (layer.weight.requires_grad, layer.bias.requires_grad) == (False, True), cls
 
 
 def test_from_linear_of_a_non_linear():

@@ -65,14 +65,25 @@ def _shard_of(model: nn.Module, name: str, whole: torch.Tensor, rank: int, R: in
 
 
 def _family_case(rank: int, R: int, family: str, sp: bool, seed: int, group=None,
-                 compiled: bool = False) -> list[str]:  # fmt: skip
-    """``compiled``: the parallelized model runs under ``torch.compile(fullgraph=True)``."""
+                 compiled: bool = False, then: str | None = None) -> list[str]:  # fmt: skip
+    """``compiled``: the parallelized model runs under ``torch.compile(fullgraph=True)``;
+    ``then``: what happens to it first: ``"deepcopy"`` (the copy runs), ``"assign"`` (its
+    state loaded into another parallelized model with ``assign=True``, which runs), ``"frozen"``
+    (every parameter frozen before ``parallelize``, trained after): new ``Parameter`` objects,
+    or ones that had no gradient when parallelized, still get theirs summed over the ranks."""
     ref = _tiny(family, seed)
-    model = parallelize(copy.deepcopy(ref), group=group, sequence_parallel=sp)
+    model = copy.deepcopy(ref).requires_grad_(then != "frozen")
+    model = parallelize(model, group=group, sequence_parallel=sp).requires_grad_(True)
+    if then == "deepcopy":
+        model = copy.deepcopy(model)
+    elif then == "assign":
+        other = parallelize(_tiny(family, seed + 5), group=group, sequence_parallel=sp)
+        other.load_state_dict(model.state_dict(), assign=True)
+        model = other
     run = torch.compile(model, fullgraph=True) if compiled else model
     ref32 = copy.deepcopy(ref)  # the unsharded model in fp32: the floor of a gradient's error
     ref.double()
-    name = f"{family} sequence_parallel={sp} compiled={compiled} rank={rank}"
+    name = f"{family} sequence_parallel={sp} compiled={compiled} then={then} rank={rank}"
     layers = ref.config.num_hidden_layers
     kinds = [type(m) for m in model.modules()]
     counts = (kinds.count(ColumnParallelLinear), kinds.count(RowParallelLinear))
@@ -111,6 +122,10 @@ def _family_case(rank: int, R: int, family: str, sp: bool, seed: int, group=None
         floor = ((own.double() - want).norm() / want.norm().clamp_min(1e-30)).item()
         why = mismatch(p.grad, want, max(TOL, 10 * floor))
         failures += [f"{name}: {pname}.grad: {why}"] if why else []
+    if not compiled:  # (inference tensors have no version counter: share_input's products)
+        with torch.inference_mode():
+            why = mismatch(run(ids).logits, logits_ref.detach(), TOL)
+        failures += [f"{name}: logits under inference_mode: {why}"] if why else []
     return failures
 
 
@@ -128,6 +143,22 @@ def _families(rank: int, R: int, seed: int) -> list[str]:
 
 def test_parallelize_matches_the_unsharded_model():
     spawn(_families, 2, random.randrange(1 << 30))
+
+
+def _copied(rank: int, R: int, seed: int) -> list[str]:
+    failures = []
+    cases = [("qwen3", False, "deepcopy"), ("llama", True, "deepcopy"), ("qwen3", True, "assign"),
+             ("qwen3", True, "frozen")]  # fmt: skip
+    for i, (family, sp, then) in enumerate(cases):
+        failures += _family_case(rank, R, family, sp, seed + 10 * i, then=then)
+    return failures
+
+
+def test_parallelize_after_deepcopy_assign_and_freezing():
+    """The gradients summed over the ranks (Qwen3's q/k norms; with sequence parallelism
+    every norm) after ``copy.deepcopy``, ``load_state_dict(assign=True)`` and a model frozen
+    when parallelized; the deep copy's attention gathers with its own siblings."""
+    spawn(_copied, 2, random.randrange(1 << 30))
 
 
 def _compiled(rank: int, R: int, seed: int) -> list[str]:

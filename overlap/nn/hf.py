@@ -3,6 +3,7 @@ tensor-parallel plan (``config.base_model_tp_plan``) onto the layers of ``layers
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -78,7 +79,15 @@ def parallelize(
     ``colwise``/``rowwise``/``replicated_with_grad_allreduce`` entries only, and in the layers
     no parameters outside the plan's linears and the attention but norms'; other models raise
     ``NotImplementedError``. Hidden states returned by ``output_hidden_states`` are the
-    ``[s / R, b, h]`` shards.
+    ``[s / R, b, h]`` shards. With autograd on, attention's q/k/v must be called on the
+    input its module was given (else ``RuntimeError``: their input gradient would be summed
+    twice).
+
+    Gradients summed over the ranks are summed by hooks on the parameters, which a forward
+    pre-hook of the base model gives again to each parameter requiring grad that lacks one: a
+    parameter frozen here and trained later, and the new parameters of ``copy.deepcopy`` or
+    ``load_state_dict(..., assign=True)``. The layers keep each ``nn.Linear``'s
+    ``requires_grad``.
 
     Column layers of one module that take inputs of one width (q/k/v, gate/up) share their
     input (``share_input``): one gather of it (sequence parallel), and one collective for
@@ -119,10 +128,10 @@ def parallelize(
         _check_sequence_parallel(base, named, attention)
 
     siblings: dict[tuple[str, int], list[ColumnParallelLinear]] = {}
+    summed = _SummedGrads(group)
     for name, module, style in named:
         if style == "replicated_with_grad_allreduce":
-            for p in module.parameters():
-                _sum_grad_over_ranks(p, group)
+            summed.add(module.modules())
             continue
         parent_name, _, child = name.rpartition(".")
         cls, kw = _STYLES[style]
@@ -140,7 +149,9 @@ def parallelize(
         if len(layers) > 1 or parent_name in attention:
             share_input(*layers)
     if sequence_parallel:
-        _sequence_parallel_hooks(base, attention, group, R, rank)
+        _sequence_parallel_hooks(base, attention, summed, group, R, rank)
+    summed(base, ())
+    base.register_forward_pre_hook(summed)
     return model
 
 
@@ -219,8 +230,9 @@ def _check_sequence_parallel(base: nn.Module, named: list, attention: set) -> No
             )
 
 
-def _sequence_parallel_hooks(base: nn.Module, attention: set, group, R: int, rank: int):
-    """The layout hooks of ``parallelize(sequence_parallel=True)`` (its docstring)."""
+def _sequence_parallel_hooks(base: nn.Module, attention: set, summed, group, R: int, rank: int):
+    """The layout hooks of ``parallelize(sequence_parallel=True)`` (its docstring); the
+    parameters that see this rank's tokens only join ``summed``."""
     layers, norm = base.layers, base.norm
 
     def to_shards(x):  # [b, s, h] (replicated) -> this rank's [s / R, b, h]
@@ -230,36 +242,70 @@ def _sequence_parallel_hooks(base: nn.Module, attention: set, group, R: int, ran
     def to_whole(x):  # this rank's [s / R, b, h] -> [b, s, h]
         return _Gather.apply(x, group, R, rank, 0).transpose(0, 1)
 
-    def hook(fn):  # a pre-hook replacing the hidden states, positional or keyword
-        def pre(module, args, kwargs):
-            if args:
-                return (fn(args[0]), *args[1:]), kwargs
-            return args, {**kwargs, "hidden_states": fn(kwargs["hidden_states"])}
-
-        return pre
-
-    layers[0].register_forward_pre_hook(hook(to_shards), with_kwargs=True)
+    layers[0].register_forward_pre_hook(_HiddenStates(to_shards), with_kwargs=True)
     for name in attention:  # q/k/v's one gather: their products made with the whole input
         module = base.get_submodule(name)
         column = next(m for m in module.children() if isinstance(m, ColumnParallelLinear))
-        module.register_forward_pre_hook(hook(column.siblings.gather), with_kwargs=True)
-    norm.register_forward_pre_hook(hook(to_whole), with_kwargs=True)
+        module.register_forward_pre_hook(_HiddenStates(column.siblings.gather), with_kwargs=True)
+    norm.register_forward_pre_hook(_HiddenStates(to_whole), with_kwargs=True)
     # replicated parameters between the split and the final norm see this rank's tokens only
-    sharded = {p for m in base.modules() if isinstance(m, _Sharded) for p in m.parameters()}
-    in_attention = {p for n in attention for p in base.get_submodule(n).parameters()}
-    for p in layers.parameters():
-        if p not in sharded and p not in in_attention:
-            _sum_grad_over_ranks(p, group)
+    inside = {m for n in attention for m in base.get_submodule(n).modules()}
+    summed.add(m for m in layers.modules() if not isinstance(m, _Sharded) and m not in inside)
 
 
-def _sum_grad_over_ranks(p: nn.Parameter, group) -> None:
-    """Sums ``p``'s gradient of each backward pass over the ranks (a hook on the leaf, before
-    it is accumulated into ``p.grad``): for a whole parameter each rank applies to its own
-    part of the data only."""
+class _HiddenStates:
+    """A forward pre-hook replacing a module's hidden states (positional or keyword) by ``fn``
+    of them. An object, not a closure: ``copy.deepcopy`` of the model copies it, and so binds
+    a bound method ``fn`` (the siblings' ``gather``) to the copy's siblings."""
 
-    def hook(g):
+    def __init__(self, fn) -> None:
+        self.fn = fn
+
+    def __call__(self, module, args, kwargs):
+        if args:
+            return (self.fn(args[0]), *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": self.fn(kwargs["hidden_states"])}
+
+
+class _SumOverRanks:
+    """A gradient hook on a leaf: the gradient of each backward pass summed over the ranks
+    before it is accumulated into ``.grad`` (each rank applies a whole parameter to its own
+    part of the data only)."""
+
+    def __init__(self, group) -> None:
+        self.group = group
+
+    def __call__(self, g):
         g = g.clone()
-        dist.all_reduce(g, group=group)
+        dist.all_reduce(g, group=self.group)
         return g
 
-    p.register_hook(hook)
+
+class _SummedGrads:
+    """The parameters whose gradients ``parallelize`` sums over the ranks, by module and
+    name (``add``); called (a forward pre-hook of the base model, and once by
+    ``parallelize``), it gives each of them that requires grad and has no ``_SumOverRanks``
+    hook one: tensor hooks belong to a ``Parameter`` object, and ``copy.deepcopy`` and
+    ``load_state_dict(assign=True)`` make new ones, and a frozen parameter takes no hook.
+    Not while compiling (Dynamo traces no hook registration; the eager calls gave them)."""
+
+    def __init__(self, group) -> None:
+        self.group, self.named = group, []
+
+    def add(self, modules) -> None:
+        """The parameters of ``modules`` (each module's own, not its children's)."""
+        self.named += [(m, n) for m in modules for n, _ in m.named_parameters(recurse=False)]
+
+    def __call__(self, module, args) -> None:
+        if not torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return
+        for owner, name in self.named:
+            p = getattr(owner, name)
+            if (
+                p is not None
+                and p.requires_grad
+                and not any(
+                    isinstance(h, _SumOverRanks) for h in (p._backward_hooks or {}).values()
+                )
+            ):
+                p.register_hook(_SumOverRanks(self.group))

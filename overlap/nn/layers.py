@@ -211,6 +211,9 @@ class _Sharded(nn.Module):
                                linear.weight[:, mine])  # fmt: skip
             if layer.bias is not None:
                 layer.bias.copy_(linear.bias[mine] if cls.split_dim == 0 else linear.bias)
+        layer.weight.requires_grad_(linear.weight.requires_grad)  # (a frozen layer stays so)
+        if layer.bias is not None:
+            layer.bias.requires_grad_(linear.bias.requires_grad)
         return layer
 
 
@@ -327,7 +330,8 @@ def share_input(*layers: ColumnParallelLinear) -> None:
     a view of it; make optimizers after this call or before, either works), so that the
     gathered input and the input gradient multiply by all of them without a copy. A layer
     called on another tensor than the one its siblings were last called on (or on one modified
-    in place since) computes every product afresh; one called while a sibling has not yet taken
+    in place since; an inference tensor has no version counter and counts as unmodified)
+    computes every product afresh; one called while a sibling has not yet taken
     its product from the last input stops the sharing for good (the layers are evidently not
     called on one input), and each layer then computes alone, as before this call.
 
@@ -365,17 +369,25 @@ class _Siblings:
     input: ``take(i, x)`` returns layer ``i``'s, computing all of them at a miss."""
 
     def __init__(self, layers) -> None:
-        self.layers, self.shared = list(layers), True
+        self.layers, self.shared, self.gathered = list(layers), True, False
         self.x, self.version, self.pending = None, None, []
 
     def take(self, i: int, x: torch.Tensor) -> torch.Tensor:
         """Layer ``i``'s product ``[..., N_i]`` (its bias not added) for input ``x``."""
-        hit = x is self.x and (torch.compiler.is_compiling() or x._version == self.version)
+        hit = x is self.x and _version(x) == self.version
         if hit and self.pending[i] is not None:
             y, self.pending[i] = self.pending[i], None
             if all(p is None for p in self.pending):
                 self.x, self.pending = None, []  # (drop the input and the products)
             return y
+        if self.gathered and torch.is_grad_enabled():
+            raise RuntimeError(
+                f"overlap.nn.parallelize(sequence_parallel=True): {self.layers[i]} was called on "
+                "another tensor than the hidden states its attention module was given "
+                "(gathered once for q, k and v by parallelize's pre-hook): its input gradient "
+                "would be summed over the ranks twice. Call the projections on the attention "
+                "module's input, or parallelize without sequence_parallel"
+            )
         if any(p is not None for p in self.pending):  # a sibling never took its product
             self.shared, self.x, self.pending = False, None, []
         if not self.shared:
@@ -385,20 +397,29 @@ class _Siblings:
 
     def keep(self, x: torch.Tensor, products: list[torch.Tensor]) -> None:
         """Every layer's product for input ``x``, for the layers' calls to take."""
-        self.x, self.version, self.pending = x, x._version, list(products)
+        self.x, self.version, self.pending = x, _version(x), list(products)
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """Sequence parallel, for layers called on the whole input (attention): this rank's
         tokens ``[s / R, b, K]`` gathered (returned as ``[b, s, K]``) and every layer's
         product for it (``[b, s, N_i]``) computed in one ``all_gather_matmul``; the
         layers' calls on the returned tensor take them."""
-        first = self.layers[0]
+        first, self.gathered = self.layers[0], True
         ws = [layer.weight.t() for layer in self.layers]
         ys, full = all_gather_matmul(x, ws, group=first.group, return_gathered=True)
         s, b = x.shape[0] * first.world_size, math.prod(x.shape[1:-1])
         whole = full.view(s, b, full.shape[-1]).transpose(0, 1)
         self.keep(whole, [y.view(s, b, y.shape[-1]).transpose(0, 1) for y in ys])
         return whole
+
+
+def _version(x: torch.Tensor) -> int | None:
+    """``x``'s version counter (bumped by each in-place change); None while compiling (Dynamo
+    traces the holder's Python whole: identity is the hit) and for an inference tensor, which
+    has none (it can change in place only inside ``torch.inference_mode``)."""
+    if torch.compiler.is_compiling() or x.is_inference():
+        return None
+    return x._version
 
 
 def _products(layers: list[ColumnParallelLinear], x: torch.Tensor) -> list[torch.Tensor]:
