@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from . import comm
 from .comm import Transport, kept
-from .guard import group_name, watchdog
+from .guard import default, group_name, watchdog
 from .plan import MAX_CHUNKS
 from .signal import current_raw_stream
 
@@ -133,11 +133,13 @@ def set_tuned(key: tuple, choice: int | str | None) -> None:
 
 
 def context(group: dist.ProcessGroup | None, device: torch.device) -> Context:
-    """The context of ``group`` on ``device`` for the current stream (made on first use).
+    """The context of ``group`` on ``device`` for the current stream (made on first use), of
+    the default group of the moment for None: its ``group`` is that group's object.
 
     Raises:
         RuntimeError: ``MAX_CONTEXTS`` contexts exist already.
     """
+    group = default(group)
     stream = current_raw_stream(device) if device.type == "cuda" else 0
     key = (group, str(device), stream)
     ctx = _contexts.get(key)
@@ -171,13 +173,16 @@ def release(group: dist.ProcessGroup | None = None) -> None:
 
     Every rank of the group calls it at the same point of the program, with no call of the
     group in flight; the next call of the group starts afresh. Communicators are dropped,
-    not aborted or destroyed: torch's own process group stays usable.
+    not aborted or destroyed: torch's own process group stays usable. Call it before
+    ``destroy_process_group``: what is kept for a destroyed group (the default one too: calls
+    with ``group=None`` then find the new default group's) stays until the process ends.
 
     Raises:
         TypeError, ValueError: ``group`` is not a process group (or None), or this process
             is not a member of it (``check_group``).
     """
     check_group(group)
+    group = default(group)
     mine = [k for k in _contexts if k[0] is group]
     for device in {k[1] for k in mine if k[1].startswith("cuda")}:
         torch.cuda.synchronize(device)

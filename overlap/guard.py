@@ -109,9 +109,16 @@ def timeout() -> float:
     return _settings["timeout"] or DEFAULT_TIMEOUT
 
 
+def default(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """``group``, or for None the default group of the moment (None before
+    ``init_process_group``): what the library keeps for None must not outlive a destroyed
+    default group (a new one may number the ranks otherwise)."""
+    return group if group is not None else dist.group.WORLD
+
+
 def group_name(group: dist.ProcessGroup | None) -> str:
     """The name of ``group`` (``None``: the default group), the same on all of its ranks."""
-    return (group if group is not None else dist.group.WORLD).group_name
+    return default(group).group_name
 
 
 class Rendezvous:

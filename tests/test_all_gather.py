@@ -207,3 +207,31 @@ def test_world_size_one_is_a_matmul():
     y, full = overlap.all_gather_matmul(x, w, return_gathered=True)
     torch.testing.assert_close(y, x.reshape(10, 8) @ w)
     torch.testing.assert_close(full, x.reshape(10, 8))
+
+
+def _renumbered(rank, R, d):
+    """The default group destroyed and made again with the ranks numbered the other way (as an
+    elastic restart may): calls with ``group=None`` must take the new group's rank, not the
+    one the library kept for the old group (this rank's own rows were placed by it)."""
+    failures = []
+
+    def check(what: str, r: int) -> None:
+        g = torch.Generator().manual_seed(5)
+        xs = [torch.randn(33, 40, generator=g) for _ in range(R)]
+        w = torch.randn(40, 44, generator=g)
+        y = overlap.all_gather_matmul(xs[r], w)
+        why = mismatch(y, torch.cat(xs).double() @ w.double(), TOL[torch.float32])
+        failures.extend([f"{what}, rank {r}: {why}"] if why else [])
+
+    check("the first default group", rank)
+    for name, r in (("renumbered", R - 1 - rank), ("again", rank)):  # (the harness's at the end)
+        dist.destroy_process_group()
+        dist.init_process_group("gloo", init_method=f"file://{d}/{name}", rank=r, world_size=R)
+        dist.barrier()
+        if name == "renumbered":
+            check("a new default group, its ranks numbered the other way", r)
+    return failures
+
+
+def test_default_group_made_again_with_other_ranks(tmp_path):
+    spawn(_renumbered, 2, str(tmp_path))

@@ -36,7 +36,7 @@ def road(group: dist.ProcessGroup | None, device: torch.device, capturing: bool)
     """``route``'s answer for ``group`` on the CUDA ``device``: a collective the first time
     (while ``capturing``, which cannot ask: the answer known, or None), which validation mode
     precedes with an agreement (a rank that never arrives raises ``TimeoutError`` there)."""
-    key = (group, str(device))
+    key = (guard.default(group), str(device))
     if key not in _roads:
         if capturing:
             return None

@@ -124,8 +124,8 @@ def _decide(x, w, name, group, chunks, backend, capturing: bool):
         return p, None, None
     if spec.splits_rows and M % R:
         raise ValueError(f"{name} needs M ({M}) divisible by the world size ({R})")
-    ctx = context(group, x.device)
-    road = comm.road(group, x.device, capturing) if x.is_cuda else None  # a collective, once
+    ctx = context(group, x.device)  # (ctx.group: None resolved to the default group)
+    road = comm.road(ctx.group, x.device, capturing) if x.is_cuda else None  # a collective, once
     why = None
     if K == 0:  # (the kernel needs K > 0)
         why = "K = 0: nothing to overlap (the product is zeros, as torch.matmul's)"
@@ -147,7 +147,7 @@ def _decide(x, w, name, group, chunks, backend, capturing: bool):
         return p, ctx, None
 
     def fits(cls: type[Transport]) -> bool:  # a capture uses the buffers an eager call sized
-        t = comm.shared(cls, group, x.device)
+        t = comm.shared(cls, ctx.group, x.device)
         return t is not None and t.fits(M, N, K, spec, x.dtype)
 
     cls = comm.select(
