@@ -10,7 +10,7 @@ ran: ``"overlap via ce"``,
 
 The notice goes through Python's ``logging`` (logger ``"overlap"``, level WARNING), once per
 (op, reason) per process, for the reasons in ``_NOTICED`` (CPU tensors without Triton's
-interpreter, a product too small for the planner, a missing optional dependency): silence it
+interpreter, a product too small for the planner): silence it
 with ``logging.getLogger("overlap").setLevel(logging.ERROR)``. The other plain-path reasons
 (world size 1, an empty product, ``overlap.tune``'s choice) are the expected behaviour and
 are only counted.
@@ -63,8 +63,8 @@ def stats(reset: bool = False) -> Stats:
         reset: clear the counts after reading them.
 
     Returns:
-        ``Stats`` (a dict ``{op: {how: calls}}``, ``how`` as "overlap via ce",
-        "replayed via ce", "updated via ce", "plain: <reason>"); ``print(overlap.stats())``
+        ``Stats`` (a dict ``{op: {how: calls}}``, ``how`` as "overlap via ce" (or "torch",
+        "cupy"), "replayed via ce", "updated via ce", "plain: <reason>"); ``print(overlap.stats())``
         shows a table.
     """
     out = Stats({op: dict(c) for op, c in _counts.items()})

@@ -140,7 +140,8 @@ def tune(
         x: ``[..., K]``, w: ``[K, N]``: as in ``matmul_collective`` (this rank's operands).
         collective: "all_reduce", "reduce_scatter", "all_to_all" or "all_gather" (for
             ``all_gather_matmul``; ``x`` is this rank's shard).
-        group: the process group the calls will use.
+        group: the process group the calls will use (an initialized one, also for one rank:
+            ``tune`` asks torch for its size).
         candidates: chunk counts (2-64) and/or ``"plain"``; the same on every rank.
         iters: timed calls per candidate (after one warm-up call).
         use_cache: read and write the disk cache (``cache_path()``).

@@ -277,7 +277,7 @@ class RowParallelLinear(_Sharded):
 
     Raises:
         ValueError: ``in_features`` not divisible by the world size, or (sequence parallel)
-            the tokens not divisible by it.
+            the input's dim 0 (the tokens, sequence first) not divisible by it.
     """
 
     split_dim = 1

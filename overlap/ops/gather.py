@@ -32,10 +32,11 @@ def all_gather_matmul(
     """``dist.all_gather_into_tensor(x_full, x); x_full @ w``, overlapped chunk by chunk.
 
     This rank's own shard is multiplied first; every chunk of the other shards is multiplied
-    as soon as it has arrived (a stream wait per chunk, then one matmul per shard's rows of
-    it). The chunks travel through NCCL (one all-gather per chunk: any GPUs, across hosts,
-    CUDA graphs) or the copy engines (``backend``; GPU to GPU, or through pinned host memory
-    without P2P).
+    as soon as it has arrived (a stream wait per chunk, then one batched matmul for the
+    shards before this rank's and one for those after; where this rank's own product outlasts
+    the others' transfer, one product after the last chunk). The chunks travel through NCCL
+    (one all-gather per chunk: any GPUs, across hosts, CUDA graphs) or the copy engines
+    (``backend``; GPU to GPU, or through pinned host memory without P2P).
 
     Args:
         x: this rank's shard ``[..., K]`` (leading dims flattened into ``m`` rows; every rank
