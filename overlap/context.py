@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from . import comm
 from .comm import Transport, kept
-from .guard import default, group_name, watchdog
+from .guard import default, watchdog
 from .plan import MAX_CHUNKS
 from .signal import current_raw_stream
 
@@ -96,7 +96,7 @@ class Context:
 
 _contexts: dict[tuple, Context] = {}  # (group, device, caller stream handle) -> Context
 _users: dict[Transport, Context] = {}  # sized transport -> the context that used it last
-_tuned: dict[tuple, int | str] = {}  # (group name, M, N, K, dtype, collective) -> overlap.tune's
+_tuned: dict[tuple, int | str] = {}  # (group, M, N, K, dtype, collective) -> overlap.tune's
 # What an eager call's arguments were decided to run (ops/_engine.py ``Known``), by the call's
 # signature (ops/_record.py): kept once a call passed the checks and was planned, forgotten when
 # the road, the tuned choices or the transports' buffers change.
@@ -114,8 +114,10 @@ def forget() -> None:
 
 
 def tuned_key(group, M: int, N: int, K: int, dtype: torch.dtype, collective: str) -> tuple:
-    """The key of ``tuned``: calls of any context of ``group`` with these shapes share it."""
-    return (group_name(group), M, N, K, str(dtype), collective)
+    """The key of ``tuned``: calls of any context of ``group`` with these shapes share it (the
+    group's object, None resolved: a name comes back for another group after
+    ``destroy_process_group``)."""
+    return (default(group), M, N, K, str(dtype), collective)
 
 
 def tuned(key: tuple) -> int | str | None:
@@ -191,6 +193,5 @@ def release(group: dist.ProcessGroup | None = None) -> None:
         _contexts.pop(k).close()
     for t in comm.forget(group):
         _users.pop(t, None)
-    name = group_name(group) if dist.is_initialized() else None
-    for k in [k for k in _tuned if k[0] == name]:
+    for k in [k for k in _tuned if k[0] is group]:
         del _tuned[k]

@@ -134,6 +134,7 @@ class Rendezvous:
     group raise at once: their numbers would meet the keys of other calls."""
 
     def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.world = dist.group.WORLD  # (made under this default group: ``agree``)
         self.store = dist.distributed_c10d._get_default_store()
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
         self.name = group_name(group)
@@ -226,11 +227,14 @@ _rendezvous: dict[str, Rendezvous] = {}  # group name -> its rendezvous (a few i
 
 
 def agree(group: dist.ProcessGroup | None, fingerprint: str, what: str, splits=None) -> None:
-    """``Rendezvous.agree`` on ``group``'s rendezvous (made on first use)."""
+    """``Rendezvous.agree`` on ``group``'s rendezvous (made on first use, and again under a
+    new default group: after ``destroy_process_group`` torch numbers the groups from "0"
+    again, and a name's old rendezvous holds the old store, ranks and count)."""
     name = group_name(group)
-    if name not in _rendezvous:
-        _rendezvous[name] = Rendezvous(group)
-    _rendezvous[name].agree(fingerprint, what, splits)
+    rv = _rendezvous.get(name)
+    if rv is None or rv.world is not dist.group.WORLD:
+        rv = _rendezvous[name] = Rendezvous(group)
+    rv.agree(fingerprint, what, splits)
 
 
 _issuing = threading.local()  # .watch: the Watch of the call this thread is issuing

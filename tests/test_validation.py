@@ -384,6 +384,65 @@ def test_a_group_out_of_step_says_so():
     spawn(_out_of_step, 2)
 
 
+def _made_again(rank, R, d):
+    """What the library keeps per group after ``destroy_process_group`` and a new default group
+    numbering the ranks the other way (torch names the groups from "0" again): validation's
+    call count, ranks and store (an uneven exchange's splits are compared by rank), and
+    ``overlap.tune``'s choice (kept for the old group only). A refused uneven call is not
+    counted in ``overlap.stats``."""
+    failures = []
+    overlap.configure(validate=True, timeout=30)
+
+    def exchange(r: int, sends: list, receives: list) -> torch.Tensor:
+        return overlap.matmul_all_to_all(xs[r], w, input_split_sizes=sends,
+                                         output_split_sizes=receives)  # fmt: skip
+
+    splits = [([10, 15], [10, 12]), ([12, 8], [15, 8])]  # rank r: (sends, receives)
+    g = torch.Generator().manual_seed(3)
+    xs = [torch.randn(sum(s), 16, generator=g) for s, _ in splits]
+    w = torch.randn(16, 24, generator=g)
+
+    def want(r: int) -> torch.Tensor:
+        return torch.cat([(xs[s].double() @ w.double())[sum(splits[s][0][:r]) :][: splits[s][0][r]]
+                          for s in range(R)])  # fmt: skip
+
+    exchange(rank, *splits[rank])
+    overlap.stats(reset=True)
+    bad = ([10, 15], [10, 13]) if rank == 0 else splits[1]  # (rank 0 receives one row too many)
+    try:
+        exchange(rank, *bad)
+        failures.append("splits that do not match: no error")
+    except overlap.RankMismatchError:
+        pass
+    if overlap.stats():
+        failures.append(f"a refused uneven call was counted: {overlap.stats()}")
+    M, K, N = 64, 16, 24
+    x = torch.randn(M, K, generator=g)
+    wt = torch.randn(K, N, generator=g)
+    overlap.tune(x, wt, "all_reduce", candidates=("plain",), iters=1, use_cache=False)
+    dist.destroy_process_group()
+    r = R - 1 - rank
+    dist.init_process_group("gloo", init_method=f"file://{d}/renumbered", rank=r, world_size=R)
+    dist.barrier()
+    try:
+        why = mismatch(exchange(r, *splits[r]), want(r), TOL[F32])
+        failures += [f"after a new default group: {why}"] if why else []
+    except Exception as e:  # noqa: BLE001 (reported)
+        failures.append(f"after a new default group: {type(e).__name__}: {e}")
+    p = overlap.plan(x, wt, "all_reduce")
+    if "overlap.tune" in p.reason:
+        failures.append(f"the new default group took the old one's tuned choice: {p.reason}")
+    overlap.configure(validate=False)
+    dist.destroy_process_group()  # (the harness's own group again, for its teardown)
+    dist.init_process_group("gloo", init_method=f"file://{d}/again", rank=rank, world_size=R)
+    dist.barrier()
+    return failures
+
+
+def test_a_default_group_made_again(tmp_path):
+    spawn(_made_again, 2, str(tmp_path))
+
+
 @pytest.mark.parametrize(
     ("kw", "exc"),
     [

@@ -118,8 +118,8 @@ class _SplitCall:
                  agreed: dict | None = None) -> None:  # fmt: skip
         self.plan = split_plan(sends, receives, N, K, chunks, backend)
         self.ctx = self.stream = self.caller = self.events = self.watch = None
-        stats.count(label, how(self.plan))
         if self.plan.path != "overlap":
+            stats.count(label, how(self.plan))
             return
         self.ctx = context(group, x.device)
         validating = guard.validating()
@@ -129,6 +129,7 @@ class _SplitCall:
             p = self.plan
             fp = guard.fingerprint(label, x.dtype, agreed, p.layout())
             guard.agree(group, fp, p.describe(), p.splits)
+        stats.count(label, how(self.plan))  # (after the agreement: a refused call ran nothing)
         self.transport = self.ctx.transport(comm.select_uneven(backend))
         self.stream = self.ctx.comm_stream
         if self.stream is not None:
