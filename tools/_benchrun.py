@@ -13,6 +13,7 @@ import json
 import os
 import pathlib
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -183,9 +184,33 @@ def time_steps(ready: dict, iters: int, warmup: int, cuda: bool, calls: int) -> 
                        paths=counts[mode]) for mode in ready}  # fmt: skip
 
 
-def write_json(args, dev, R: int, timing_meaningful: bool, rows, errors, tol: float) -> None:
-    """Rank 0's JSON (configuration, device, versions, date, rows, errors), after the
-    tool's table; says so when the timings mean nothing."""
+def environment(dev: torch.device) -> dict:
+    """What timings depend on beyond torch and Triton: NCCL's, the driver's and CUDA's
+    versions (None where absent) and the road the environment sets (``NCCL_P2P_DISABLE``:
+    "1" sends NCCL, and the library's copy engines, through host memory)."""
+    nccl = driver = None
+    if dev.type == "cuda":
+        try:
+            v = torch.cuda.nccl.version()
+            nccl = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+        except Exception:  # (a torch built without NCCL)
+            pass
+        try:
+            query = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader",
+                     "-i", str(dev.index or 0)]  # fmt: skip
+            done = subprocess.run(query, capture_output=True, text=True, timeout=30)
+            driver = done.stdout.strip() or None
+        except (OSError, subprocess.SubprocessError):
+            pass
+    p2p = os.environ.get("NCCL_P2P_DISABLE")
+    road = "host memory (NCCL_P2P_DISABLE=1)" if p2p == "1" else "P2P where the GPUs have it"
+    return dict(nccl=nccl, driver=driver, cuda=torch.version.cuda, NCCL_P2P_DISABLE=p2p, road=road)
+
+
+def write_json(args, dev, R: int, timing_meaningful: bool, rows, errors, tol: float,
+               extra: dict | None = None) -> None:  # fmt: skip
+    """Rank 0's JSON (configuration, device, versions, environment, date, rows, errors, and
+    ``extra``'s keys), after the tool's table; says so when the timings mean nothing."""
     import triton
 
     if not timing_meaningful:
@@ -195,7 +220,8 @@ def write_json(args, dev, R: int, timing_meaningful: bool, rows, errors, tol: fl
     out = dict(config={k: v for k, v in vars(args).items() if k != "out"}, world_size=R,
                backend=dist.get_backend(), device=name, torch=torch.__version__,
                triton=triton.__version__, date=date, timing_meaningful=timing_meaningful,
-               tolerance=tol, errors=errors, rows=rows)  # fmt: skip
+               env=environment(dev), tolerance=tol, errors=errors, rows=rows,
+               **(extra or {}))  # fmt: skip
     path = pathlib.Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1) + "\n")
