@@ -1,8 +1,9 @@
 """No devices: the examples as a user runs them (the README's main example,
-``examples/tp_linear.py``, the decoder layer, ``examples/tp_transformer.py``, and a Hugging
-Face model through ``overlap.nn.parallelize``, ``examples/hf_parallelize.py``): 2 CPU ranks on
-gloo, the real kernel in Triton's interpreter, results checked by the examples themselves,
-and the path counts they print (``overlap.stats``)."""
+``examples/tp_linear.py``, its quickstart under torchrun, ``examples/quickstart.py``, the
+decoder layer, ``examples/tp_transformer.py``, and a Hugging Face model through
+``overlap.nn.parallelize``, ``examples/hf_parallelize.py``): 2 CPU ranks on gloo, the real
+kernel in Triton's interpreter, results checked by the examples themselves, and the path
+counts or plans they print (``overlap.stats``, ``Plan.describe``)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,23 @@ def test_readme_example_runs():
     assert done.stdout.count("through torch: 4 chunks") == 2, done.stdout  # both ranks overlap
     assert "ok: 2 CPU ranks" in done.stdout
     assert re.search(r"matmul_collective +overlap via torch +1\n", done.stdout), done.stdout
+
+
+@pytest.mark.parametrize("interpret", ["1", None])
+def test_quickstart_runs_under_torchrun(interpret):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(EXAMPLES.parent) + os.pathsep + env.get("PYTHONPATH", "")
+    if interpret:
+        env["TRITON_INTERPRET"] = interpret
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(EXAMPLES / "quickstart.py")],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    # as the README says: the kernel in the interpreter, else the plain path (same result)
+    plan = "on 2 ranks through torch: " if interpret else "fallback (CPU tensors and TRITON"
+    assert done.stdout.count(plan) == 2, done.stdout
 
 
 def test_decoder_layer_example_runs():
