@@ -73,9 +73,12 @@ CUDA, ``NCCL_P2P_DISABLE`` and its road) and torch, Triton, GPU, date.
     python tools/decode_bench.py --cpu        # 2 CPU ranks, gloo, Triton's interpreter,
                                               # tiny dims, fp32: correctness only
 
-Also for 4 ranks (``--nproc-per-node=4``). TODO: part 3, transformers' ``generate()`` with a
-static cache on a ``overlap.nn.parallelize``d Llama against transformers' ``tp_plan="auto"``
-(``tools/hf_bench.py`` builds the model), is not written.
+Also for 4 ranks (``--nproc-per-node=4``).
+
+TODO (part 3, not written): transformers' ``generate()`` with a static cache on an
+``overlap.nn.parallelize``d Llama (``tools/hf_bench.py`` builds one from a config) against
+transformers' own ``tp_plan="auto"``; that loads through ``from_pretrained(dir, tp_plan=
+"auto")``, which needs ``accelerate`` (transformers 5.24), installed on neither machine.
 """
 
 from __future__ import annotations
