@@ -281,7 +281,10 @@ def fault_scenarios(rank: int, R: int, scenario: str, device: str) -> list[str]:
       GPU, and the watchdog (``guard.Watchdog``) raises ``TimeoutError`` in it within the
       timeout; the group's next call raises ``RuntimeError`` at once.
     - ``stuck_ce_off``: the same when rank 1 does not die but stops before its fourth call
-      (three calls warm), as in the trial of issue 39.
+      (three calls warm): a peer that hangs rather than dies.
+    - ``killed_mid_call_shot_off``, ``stuck_shot_off``: the same through the latency
+      all-reduce (``comm/shot.py``: a product too small to overlap, GPU to GPU): rank 1 dies
+      before its kernel, for which rank 0's kernel waits in its barrier, or stops.
     - ``stuck_nccl_off``, ``killed_mid_call_nccl_off``, ``killed_mid_split_nccl_off``:
       validation off, NCCL per chunk (``backend="torch"``; an uneven exchange takes it on every
       backend but CuPy's), group timeout 8 s: torch's own watchdog ends rank 0's process (by
@@ -422,23 +425,29 @@ def _watchdog_scenario(rank: int, scenario: str, dev: str, x, w) -> list[str]:
     g = dist.new_group([0, 1], timeout=timedelta(seconds=8))  # the watchdog's limit
     if scenario.endswith("_nccl_off"):
         return _nccl_off_scenario(rank, scenario, dev, x, w, g)
-    gather = "gather" in scenario
+    gather, shot = "gather" in scenario, "shot" in scenario
     failures: list[str] = []
 
     def call():
         if gather:
             return overlap.all_gather_matmul(x, w, chunks=4, backend="ce", group=g)
+        if shot:
+            return overlap.matmul_allreduce(x[:8], w, group=g)
         return overlap.matmul_collective(x, w, chunks=4, backend="ce", group=g)
 
-    for _ in range(3 if scenario == "stuck_ce_off" else 1):  # (sizes the buffers: collectives)
+    for _ in range(3 if scenario.startswith("stuck") else 1):  # (sizes the buffers: collectives)
         call()  # the second is recorded in a CUDA graph, the third replays it
     torch.cuda.synchronize(dev)
-    if scenario == "stuck_ce_off":
+    if scenario.startswith("stuck"):
         if rank == 1:
             time.sleep(25)  # stopped, not dead: rank 0 must not wait for it
             os._exit(0)
     elif rank == 1 and gather:
         PeerTransport.gather = lambda *a, **k: os._exit(0)
+    elif rank == 1 and shot:
+        from overlap.gemm import shot as kernel
+
+        kernel.shot_all_reduce = lambda *a, **k: os._exit(0)
     elif rank == 1:
         orig_send = PeerTransport._send
 
@@ -451,10 +460,15 @@ def _watchdog_scenario(rank: int, scenario: str, dev: str, x, w) -> list[str]:
             return orig_send(self, p, slots, out, wait_or_die, q, own)
 
         PeerTransport._send = dying_send  # (the host road's `run` calls it too)
-    p = overlap.plan(x, w, "all_gather" if gather else "all_reduce", chunks=4, backend="ce",
-                     group=g)  # fmt: skip
-    if p.path != "overlap" or p.transport != "ce":
-        return [f"the call does not take the copy engines: {p.describe()}"]
+    if shot:
+        p = overlap.plan(x[:8], w, group=g)
+        if p.transport != "one-shot":
+            return [f"the call does not take the one-shot all-reduce: {p.describe()}"]
+    else:
+        p = overlap.plan(x, w, "all_gather" if gather else "all_reduce", chunks=4, backend="ce",
+                         group=g)  # fmt: skip
+        if p.path != "overlap" or p.transport != "ce":
+            return [f"the call does not take the copy engines: {p.describe()}"]
     t0 = time.monotonic()
     try:
         call()  # validation off: returns once issued

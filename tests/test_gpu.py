@@ -116,6 +116,100 @@ def test_suite_two_gpus(p2p, backend, monkeypatch):
     _on_two_gpus(monkeypatch, _suite, random.randrange(1 << 30), backend, 4, **env)
 
 
+def _shot_cases(rank, R, seed):
+    """The latency all-reduce (``comm/shot.py``): products too small to overlap, GPU to GPU,
+    one-shot and two-shot by size, every dtype, ragged sizes, a 3-D x, ``avg``, ``out=``,
+    calls back to back with NCCL ones between, and captured in a CUDA graph whose replays
+    see new data: each against float64, the ranks' results equal in bits."""
+    import torch.distributed as dist
+
+    import overlap
+    from overlap.comm import shot
+
+    dev = torch.device("cuda", rank)
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    failures = []
+
+    def check(what, y, x, w, op="sum"):
+        xs = [torch.empty_like(x) for _ in range(R)]
+        dist.all_gather(xs, x.contiguous())
+        ref = sum(a.double() @ w.double() for a in xs)
+        ref = ref / R if op == "avg" else ref
+        err = (y.double() - ref).norm() / ref.norm().clamp_min(1e-30)
+        if not err < TOL[y.dtype]:
+            failures.append(f"{what}: relative error {err:.2e}")
+        ys = [torch.empty_like(y) for _ in range(R)]
+        dist.all_gather(ys, y.contiguous())
+        if not all(torch.equal(ys[0], t) for t in ys):
+            failures.append(f"{what}: the ranks' results differ in bits")
+
+    cases = [(dt, m, k, n) for dt in DTYPES for m, k, n in
+             ((1, 512, 4096), (8, 2048, 4096), (3, 100, 1234), (32, 512, 8192), (512, 256, 4096),
+              (1024, 128, 8192))]  # fmt: skip
+    for dt, m, k, n in cases:
+        x = torch.randn(m, k, device=dev, dtype=dt, generator=gen)
+        w = torch.randn(k, n, device=dev, dtype=dt, generator=gen) / k**0.5
+        want = shot.kind(m * n * x.element_size(), R)
+        p = overlap.plan(x, w)
+        if want is not None and p.transport != want:
+            failures.append(f"{(dt, m, k, n)}: plan {p.describe()}, want {want}")
+        for _ in range(2):  # (the first makes the transport: a collective)
+            check(f"{(dt, m, k, n)}", overlap.matmul_allreduce(x, w), x, w)
+    x = torch.randn(2, 5, 512, device=dev, dtype=torch.bfloat16, generator=gen)
+    w = torch.randn(512, 4096, device=dev, dtype=torch.bfloat16, generator=gen) / 512**0.5
+    check("3-D x", overlap.matmul_allreduce(x, w).view(10, 4096), x.view(10, 512), w)
+    check("avg", overlap.matmul_allreduce(x, w, op="avg").view(10, 4096), x.view(10, 512), w,
+          "avg")  # fmt: skip
+    out = torch.full((2, 5, 4096), float("nan"), device=dev, dtype=torch.bfloat16)
+    overlap.matmul_allreduce(x, w, out=out)
+    check("out=", out.view(10, 4096), x.view(10, 512), w)
+    # back to back, alternating kinds and NCCL (a product too big for the buffer)
+    xs = [torch.randn(m, 1024, device=dev, dtype=torch.bfloat16, generator=gen)
+          for m in (4, 2048, 1, 4096, 64)]  # fmt: skip
+    w = torch.randn(1024, 4096, device=dev, dtype=torch.bfloat16, generator=gen) / 32
+    ys = [overlap.matmul_allreduce(a, w) for a in xs for _ in range(3)]
+    for i, y in enumerate(ys):
+        check(f"back to back #{i}", y, xs[i // 3], w)
+    # captured: the graph's replays count epochs on and read new data
+    x = torch.randn(8, 1024, device=dev, dtype=torch.bfloat16, generator=gen)
+    overlap.matmul_allreduce(x, w)  # (warm: the transport exists)
+    s = torch.cuda.Stream(dev)
+    s.wait_stream(torch.cuda.current_stream(dev))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s), torch.cuda.graph(graph, stream=s):
+        y1 = overlap.matmul_allreduce(x, w)
+        y2 = overlap.matmul_allreduce(y1[:, :1024].contiguous(), w)
+    for i in range(3):
+        x.copy_(torch.randn(8, 1024, device=dev, dtype=torch.bfloat16, generator=gen))
+        graph.replay()
+        check(f"replay {i}", y1, x, w)
+        eager = overlap.matmul_allreduce(x, w)  # an eager call between replays
+        check(f"eager after replay {i}", eager, x, w)
+    paths = overlap.stats().get("matmul_allreduce", {})
+    if not any("one-shot" in k for k in paths) or not any("two-shot" in k for k in paths):
+        failures.append(f"stats: {paths}")
+    del y2
+    return failures
+
+
+@pytest.mark.parametrize("p2p", ["nvlink", "no_p2p"])
+def test_latency_all_reduce(p2p, monkeypatch):
+    """Without P2P (NCCL_P2P_DISABLE=1) no call takes it: the plan is NCCL's plain path."""
+    env = {"NCCL_P2P_DISABLE": "1"} if p2p == "no_p2p" else {}
+    fn = _shot_cases if p2p == "nvlink" else _no_shot
+    _on_two_gpus(monkeypatch, fn, random.randrange(1 << 30), **env)
+
+
+def _no_shot(rank, R, seed):
+    import overlap
+
+    x = torch.randn(8, 512, device=f"cuda:{rank}", dtype=torch.bfloat16)
+    w = torch.randn(512, 4096, device=f"cuda:{rank}", dtype=torch.bfloat16)
+    overlap.matmul_allreduce(x, w)
+    p = overlap.plan(x, w)
+    return [] if p.transport == "" else [f"without P2P: {p.describe()}"]
+
+
 def _ce_specifics(rank, R, seed, want_route):
     """The copy-engine transport: which plans take it and by which road (``want_route``),
     its buffers growing and shrinking back between calls of one stream (epochs continue),
@@ -353,10 +447,14 @@ def test_faults_raise_instead_of_hanging(scenario, monkeypatch):
 
 @pytest.mark.parametrize("p2p", ["nvlink", "no_p2p"])
 @pytest.mark.parametrize("scenario", ["killed_mid_call_ce_off", "killed_mid_gather_ce_off",
-                                      "stuck_ce_off"])  # fmt: skip
+                                      "stuck_ce_off", "killed_mid_call_shot_off",
+                                      "stuck_shot_off"])  # fmt: skip
 def test_watchdog_copy_engines(scenario, p2p, monkeypatch):
-    """Validation off, a peer dead or stopped on either copy-engine road: the watchdog makes
-    the survivor raise within the group's timeout (``_dist._watchdog_scenario``)."""
+    """Validation off, a peer dead or stopped on either copy-engine road, or in the latency
+    all-reduce (GPU to GPU only): the watchdog makes the survivor raise within the group's
+    timeout (``_dist._watchdog_scenario``)."""
+    if "shot" in scenario and p2p == "no_p2p":
+        pytest.skip("the latency all-reduce runs GPU to GPU only")
     env = {"NCCL_P2P_DISABLE": "1"} if p2p == "no_p2p" else {}
     _on_two_gpus(monkeypatch, fault_scenarios, scenario, "cuda", **env)
 

@@ -1,11 +1,14 @@
 """Transports: one protocol (``transport.Transport``, with the capabilities each declares),
-NCCL per chunk (``nccl.py``) and the copy engines (``peer.py`` GPU to GPU, ``host.py`` through
-host memory), chosen and made in one place (``choice.py``). No Triton here."""
+NCCL per chunk (``nccl.py``), the copy engines (``peer.py`` GPU to GPU, ``host.py`` through
+host memory) and the latency all-reduce (``shot.py``), chosen and made in one place
+(``choice.py``). No Triton here."""
 
+from . import shot
 from .choice import BACKENDS, forget, make, road, select, select_uneven, shared
 from .host import HostTransport
 from .nccl import CupyComm, CupyTransport, NcclTransport, TorchComm, TorchTransport
 from .peer import PeerTransport, route
+from .shot import ShotTransport
 from .transport import Transport, kept
 
 __all__ = [
@@ -15,6 +18,7 @@ __all__ = [
     "HostTransport",
     "NcclTransport",
     "PeerTransport",
+    "ShotTransport",
     "TorchComm",
     "TorchTransport",
     "Transport",
@@ -26,4 +30,5 @@ __all__ = [
     "select",
     "select_uneven",
     "shared",
+    "shot",
 ]

@@ -29,8 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ..contract import SHOT_PROGRAMS as MAX_PROGRAMS  # flags per rank: MAX_PROGRAMS * world
+
 BLOCK = 1024  # elements per program and step: 4 warps of 16-byte loads for 16-bit types
-MAX_PROGRAMS = 64  # flags per rank: MAX_PROGRAMS * world int32
 
 
 @triton.jit

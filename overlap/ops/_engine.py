@@ -53,7 +53,7 @@ import torch.distributed as dist
 
 from .. import comm, guard, stats
 from ..collectives import collective
-from ..comm import TorchTransport, Transport
+from ..comm import ShotTransport, TorchTransport, Transport, shot
 from ..context import Context, calls, context, tuned, tuned_key
 from ..plan import (
     GatherPlan,
@@ -145,6 +145,13 @@ def _decide(x, w, name, group, chunks, backend, capturing: bool):
         p = GatherPlan("fallback", why, M, K, R) if spec.before else \
             Plan("fallback", why, name, M, N, K, R)  # fmt: skip
         return p, ctx, None
+    kind = None  # the latency all-reduce (comm/shot.py), where the group's GPUs map each other's
+    if spec.replicated and road == ShotTransport.road and backend == "auto" and chunks is None \
+            and x.dtype in shot.DTYPES:  # fmt: skip
+        kind = shot.kind(M * N * x.element_size(), R)
+        if kind is not None and capturing and comm.shared(ShotTransport, ctx.group, x.device) \
+                is None:  # fmt: skip
+            kind = None  # (a capture cannot map its buffer: an eager call makes it)
 
     def fits(cls: type[Transport]) -> bool:  # a capture uses the buffers an eager call sized
         t = comm.shared(cls, ctx.group, x.device)
@@ -160,6 +167,9 @@ def _decide(x, w, name, group, chunks, backend, capturing: bool):
         num_sms=num_sms(x.device), chunks=chunks, blocked=cls.blocked, transport=cls.name,
         link=road or "network",
     )  # fmt: skip
+    if kind is not None and (p.path != "overlap" or M * N * x.element_size() <= shot.OVER_OVERLAP):
+        why = f"{kind} all-reduce: its transfer is shorter than an overlapped call's cost"
+        return Plan("fallback", why, name, M, N, K, R, transport=kind), ctx, None
     return p, ctx, cls if p.path == "overlap" else None  # (a small product: the plain path)
 
 
@@ -174,7 +184,9 @@ def _triton() -> str:
 
 def how(p: Plan | GatherPlan | SplitPlan) -> str:
     """The path of plan ``p`` as ``overlap.stats`` counts it."""
-    return f"overlap via {p.transport}" if p.path == "overlap" else f"plain: {p.reason}"
+    if p.path == "overlap":
+        return f"overlap via {p.transport}"
+    return f"plain via {p.transport}" if p.transport in shot.KINDS else f"plain: {p.reason}"
 
 
 def plan(
@@ -241,7 +253,8 @@ def _watch(ctx: Context, cls, p: Plan | GatherPlan, x: torch.Tensor, capturing: 
     if capturing or not x.is_cuda:
         return contextlib.nullcontext()
     if p.path != "overlap":  # the plain path: the caller stream, the group's own collectives
-        s, cls = torch.cuda.current_stream(x.device), TorchTransport
+        s = torch.cuda.current_stream(x.device)  # (or the latency all-reduce's)
+        cls = ShotTransport if p.transport in shot.KINDS else TorchTransport
     else:
         s = ctx.comm_stream
     return guard.Watch(s, lambda why: ctx.transport(cls).fail(why), p.describe())
@@ -284,7 +297,7 @@ def run_after(
     if cls is None:  # the plain path (or world size 1)
         stats.count(label, path)
         with _watch(ctx, cls, p, x, cap) if validating else contextlib.nullcontext():
-            return plain(x, w, out, p, scale, group, shape)
+            return plain(x, w, out, p, scale, group, shape, ctx)
     if out is None:
         out = torch.empty(shape, dtype=x.dtype, device=x.device)
     key = None
@@ -338,7 +351,7 @@ def plain_again(x, w, name, group, op, backend, chunks, label: str) -> tuple:
         return None, None if capturing(x) else sig
     p = known.plan
     stats.count(label, known.how)
-    return plain(x, w, None, p, _scale(op, p.world_size), group, known.shape), None
+    return plain(x, w, None, p, _scale(op, p.world_size), group, known.shape, known.ctx), None
 
 
 def _scale(op: str, R: int) -> float | None:
@@ -435,10 +448,13 @@ def produce(
             caller.wait_stream(s)
 
 
-def plain(x, w, out, p: Plan, scale: float | None, group, shape) -> torch.Tensor:
-    """The sequential path: ``x @ w``, then one torch collective on the whole product, into
-    ``out`` (None: a new tensor of the result's ``shape``); returns the result."""
+def plain(x, w, out, p: Plan, scale: float | None, group, shape, ctx=None) -> torch.Tensor:
+    """The sequential path: ``x @ w``, then one torch collective on the whole product (or the
+    latency all-reduce of ``p.transport``, through ``ctx``), into ``out`` (None: a new tensor
+    of the result's ``shape``); returns the result."""
     spec, R = p.spec, p.world_size
+    if p.transport in shot.KINDS:
+        return _shot(x, w, out, p, scale, ctx, shape)
     if R > 1 and spec.splits_rows:  # reduce-scatter and all-to-all cannot run in place
         y = (x if x.dim() == 2 else x.reshape(p.M, p.K)) @ w
         if scale is not None:
@@ -455,6 +471,28 @@ def plain(x, w, out, p: Plan, scale: float | None, group, shape) -> torch.Tensor
     if R > 1:  # the all-reduce, in place
         spec.plain(y, y, group)
     return y
+
+
+def _shot(x, w, out, p: Plan, scale: float | None, ctx: Context, shape) -> torch.Tensor:
+    """``x @ w`` stored into this rank's buffer of the group's ``ShotTransport``, then its
+    one-shot or two-shot all-reduce (``p.transport``) into ``out`` on the caller stream; an
+    eager call is watched (``_issued``)."""
+    from ..gemm.shot import shot_all_reduce  # Triton: imported on first use
+
+    cap = torch.cuda.is_current_stream_capturing()
+    t = ctx.transport(ShotTransport, cap)  # (made by the first call: a collective)
+    part = t.partial(shape, x.dtype)
+    torch.matmul(x, w, out=part)
+    if scale is not None:
+        part.mul_(scale)
+    if out is None:
+        out = torch.empty(shape, dtype=x.dtype, device=x.device)
+    with _on_device(x):
+        shot_all_reduce(out, t.buffers, t.flags, t.epochs, t.word, p.M * p.N, t.rank, t.size,
+                        p.transport == "two-shot")  # fmt: skip
+    if not cap:
+        _issued(t, ctx, p)
+    return out
 
 
 # -- before the matmul -----------------------------------------------------------------------
