@@ -2,12 +2,16 @@
 interpreter): every layer variant's output and gradients (input, weight, bias) against float64
 autograd of the unsharded ``nn.Linear`` it was cut from; column layers sharing their input
 (``share_input``): the same results with one collective each way, their weights one tensor,
-and calls that do not share an input still exact; world size 1 computes ``nn.Linear``; bad
-sizes, a non-Linear to ``from_linear`` and a layer made before the process group raise."""
+and still exact for calls that do not share an input, an input changed in place between the
+siblings' calls (an inference tensor too) and a sibling frozen after sharing; world size 1
+computes ``nn.Linear``; bad sizes, a non-Linear to ``from_linear`` and a layer made before the
+process group raise."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import itertools
 import random
 import time
 
@@ -187,9 +191,10 @@ def _siblings_case(rank, R, seed, sp):
 def _gathered(rank, R, seed) -> list[str]:
     """``parallelize``'s attention under sequence parallelism: column layers of the whole
     input take the products ``_Siblings.gather`` made (under ``inference_mode`` too, where the
-    gathered input has no version counter); called on another tensor with autograd on they
-    raise (the input gradient would be summed over the ranks twice: their own all-reduce, then
-    the gather's reduce-scatter), without autograd they compute it."""
+    gathered input is made a normal tensor, with a version counter); called on another tensor
+    with autograd on they raise (the input gradient would be summed over the ranks twice:
+    their own all-reduce, then the gather's reduce-scatter), without autograd they compute
+    it."""
     g = torch.Generator().manual_seed(seed)
     fulls = [nn.Linear(24, 4 * R) for _ in range(2)]
     with torch.no_grad():
@@ -206,7 +211,7 @@ def _gathered(rank, R, seed) -> list[str]:
     with torch.inference_mode():
         whole = layers[0].siblings.gather(x)
         ys = [layer(whole) for layer in layers]
-    if _calls() != 1:  # the gather's; the layers took its products
+    if _calls() != 1 or not layers[0].siblings.shared:  # the gather's; the layers took its
         failures.append("inference_mode: the layers did not take the gather's products")
     for y, want in zip(ys, wants, strict=True):
         why = mismatch(y, want, TOL)
@@ -240,6 +245,135 @@ def _siblings(rank, R, seed):
 
 def test_share_input(world_size=2):
     spawn(_siblings, world_size, random.randrange(1 << 30))
+
+
+def _fulls(R, seed, widths=(4, 2, 2)):
+    """q/k/v-like ``nn.Linear(24, w R)`` with random weights and biases, and a generator."""
+    g = torch.Generator().manual_seed(seed)
+    fulls = [nn.Linear(24, w * R) for w in widths]
+    with torch.no_grad():
+        for p in (p for f in fulls for p in f.parameters()):
+            p.copy_(torch.randn(p.shape, generator=g))
+    return fulls, g
+
+
+MODES = {
+    "autograd": contextlib.nullcontext,
+    "no_grad": torch.no_grad,
+    "inference_mode": torch.inference_mode,
+}
+
+
+def _changed_in_place(rank, R, seed) -> list[str]:
+    """Siblings sharing an input: one called, the input changed in place, the next ones
+    called: theirs are products of the changed input (eager, with and without autograd and
+    under ``inference_mode``, whose tensors have no version counter; with and without
+    sequence parallelism; and the gathered input of ``_Siblings.gather``), against float64."""
+    failures = []
+    for sp, mode in itertools.product((False, True), MODES):
+        seed += 1
+        fulls, g = _fulls(R, seed)
+        refs = [copy.deepcopy(f).double() for f in fulls]
+        layers = [ColumnParallelLinear.from_linear(f, sequence_parallel=sp) for f in fulls]
+        share_input(*layers)
+        x_full = torch.randn(4 * R, 3, 24, generator=g)  # [s, b, h]
+        gs = [torch.randn(4 * R, 3, f.out_features, generator=g) for f in fulls]
+        mine = slice(rank * 4, (rank + 1) * 4) if sp else slice(None)
+        name = f"sp={sp} {mode} rank={rank}"
+        with MODES[mode]():  # (x made inside: under inference_mode an inference tensor)
+            leaf = x_full[mine].clone().requires_grad_(mode == "autograd")
+            x = leaf * 1 if mode == "autograd" else leaf  # (a leaf needing grad: no mul_)
+            if x.is_inference() != (mode == "inference_mode"):
+                return [f"{name}: x.is_inference() is {x.is_inference()}: the case is void"]
+            ys = [layers[0](x)]
+            x.mul_(2)
+            ys += [layer(x) for layer in layers[1:]]
+        xr = x_full.double().requires_grad_()
+        loss = 0
+        for i, (y, layer, ref) in enumerate(zip(ys, layers, refs, strict=True)):
+            n = layer.weight.shape[0]
+            cols = slice(rank * n, (rank + 1) * n)  # (sp: every token's output, its columns)
+            want = ref(xr * (1 if i == 0 else 2))
+            why = mismatch(y.detach(), want.detach()[..., cols], TOL)
+            failures += [f"{name}: layer {i} after x.mul_(2): {why}"] if why else []
+            if i:  # (layer 0's product used x before the change: no backward through it)
+                loss = loss + (y * gs[i][..., cols]).sum()
+                (want * gs[i].double()).sum().backward()
+        if mode != "autograd" or failures:
+            continue
+        loss.backward()
+        for i, (layer, ref) in enumerate(zip(layers[1:], refs[1:], strict=True), 1):
+            n = layer.weight.shape[0]
+            why = mismatch(layer.weight.grad, ref.weight.grad[rank * n : (rank + 1) * n], TOL)
+            failures += [f"{name}: layer {i} dweight: {why}"] if why else []
+        why = mismatch(leaf.grad, xr.grad[mine], TOL)
+        failures += [f"{name}: dx: {why}"] if why else []
+    for mode in ("no_grad", "inference_mode"):  # attention's gathered input (parallelize)
+        fulls, g = _fulls(R, seed + 1, (2, 2))
+        layers = [ColumnParallelLinear.from_linear(f) for f in fulls]
+        share_input(*layers)
+        x_full = torch.randn(4 * R, 3, 24, generator=g)  # [s, b, h]
+        with MODES[mode]():
+            whole = layers[0].siblings.gather(x_full[rank * 4 : (rank + 1) * 4].clone())
+            ys = [layers[0](whole)]
+            whole.mul_(2)
+            ys.append(layers[1](whole))
+        for i, (y, f) in enumerate(zip(ys, fulls, strict=True)):
+            want = f.double()(x_full.double().transpose(0, 1) * (1 if i == 0 else 2))
+            why = mismatch(y, want[..., rank * 2 : (rank + 1) * 2], TOL)
+            failures += [f"gathered, {mode}: layer {i} after whole.mul_(2): {why}"] if why else []
+    return failures
+
+
+def test_share_input_after_an_in_place_change():
+    spawn(_changed_in_place, 2, random.randrange(1 << 30))
+
+
+def _frozen_after_sharing(rank, R, seed) -> list[str]:
+    """Siblings sharing an input, one of them frozen after ``share_input`` (then another, then
+    none): the trained ones' weight gradients, every bias's and the input's match float64
+    autograd; the frozen weight gets none (with and without sequence parallelism)."""
+    failures = []
+    for sp in (True, False):
+        fulls, g = _fulls(R, seed + sp)
+        refs = [copy.deepcopy(f).double() for f in fulls]
+        layers = [ColumnParallelLinear.from_linear(f, sequence_parallel=sp) for f in fulls]
+        share_input(*layers)
+        x_full = torch.randn(4 * R, 3, 24, generator=g)  # [s, b, h]
+        gs = [torch.randn(4 * R, 3, f.out_features, generator=g) for f in fulls]
+        xr = x_full.double().requires_grad_()
+        sum((r(xr) * gi.double()).sum() for r, gi in zip(refs, gs, strict=True)).backward()
+        mine = slice(rank * 4, (rank + 1) * 4) if sp else slice(None)
+        for frozen in (1, 0, None):  # k, then q, then none
+            for i, layer in enumerate(layers):
+                layer.zero_grad(set_to_none=True)
+                layer.weight.requires_grad_(i != frozen)
+            x = x_full[mine].clone().requires_grad_()
+            loss = 0
+            for layer, gi in zip(layers, gs, strict=True):
+                n = layer.weight.shape[0]
+                loss = loss + (layer(x) * gi[..., rank * n : (rank + 1) * n]).sum()
+            loss.backward()
+            name = f"sp={sp} layer {frozen} frozen, rank={rank}"
+            for i, (layer, ref) in enumerate(zip(layers, refs, strict=True)):
+                cols = slice(rank * layer.weight.shape[0], (rank + 1) * layer.weight.shape[0])
+                if i == frozen:
+                    if layer.weight.grad is not None:
+                        failures.append(f"{name}: the frozen weight has a gradient")
+                    pairs = (("dbias", layer.bias.grad, ref.bias.grad[cols]),)
+                else:
+                    pairs = (("dweight", layer.weight.grad, ref.weight.grad[cols]),
+                             ("dbias", layer.bias.grad, ref.bias.grad[cols]))  # fmt: skip
+                for what, got, want in pairs:
+                    why = "None" if got is None else mismatch(got, want, TOL)
+                    failures += [f"{name}: layer {i} {what}: {why}"] if why else []
+            why = mismatch(x.grad, xr.grad[mine], TOL)
+            failures += [f"{name}: dx: {why}"] if why else []
+    return failures
+
+
+def test_share_input_with_a_sibling_frozen_after_sharing():
+    spawn(_frozen_after_sharing, 2, random.randrange(1 << 30))
 
 
 def test_layers_on_subgroups_of_four_ranks():

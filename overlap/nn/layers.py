@@ -48,6 +48,7 @@ ops whole (they are custom ops).
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -330,10 +331,12 @@ def share_input(*layers: ColumnParallelLinear) -> None:
     a view of it; make optimizers after this call or before, either works), so that the
     gathered input and the input gradient multiply by all of them without a copy. A layer
     called on another tensor than the one its siblings were last called on (or on one modified
-    in place since; an inference tensor has no version counter and counts as unmodified)
-    computes every product afresh; one called while a sibling has not yet taken
+    in place since) computes every product afresh; one called while a sibling has not yet taken
     its product from the last input stops the sharing for good (the layers are evidently not
-    called on one input), and each layer then computes alone, as before this call.
+    called on one input), and each layer then computes alone, as before this call. An
+    inference tensor (made under ``torch.inference_mode``) has no version counter, so nothing
+    would tell a sibling that it changed in place: on one each layer computes its own product
+    (under sequence parallelism its own gather; without, the same work as shared).
 
     Raises:
         TypeError: a layer is not a ``ColumnParallelLinear``.
@@ -374,7 +377,8 @@ class _Siblings:
 
     def take(self, i: int, x: torch.Tensor) -> torch.Tensor:
         """Layer ``i``'s product ``[..., N_i]`` (its bias not added) for input ``x``."""
-        hit = x is self.x and _version(x) == self.version
+        version = _version(x)
+        hit = x is self.x and version is not None and version == self.version
         if hit and self.pending[i] is not None:
             y, self.pending[i] = self.pending[i], None
             if all(p is None for p in self.pending):
@@ -390,7 +394,7 @@ class _Siblings:
             )
         if any(p is not None for p in self.pending):  # a sibling never took its product
             self.shared, self.x, self.pending = False, None, []
-        if not self.shared:
+        if not self.shared or version is None:  # (None: an inference tensor, untracked)
             return _products([self.layers[i]], x)[0]
         self.keep(x, _products(self.layers, x))
         return self.take(i, x)
@@ -406,20 +410,35 @@ class _Siblings:
         layers' calls on the returned tensor take them."""
         first, self.gathered = self.layers[0], True
         ws = [layer.weight.t() for layer in self.layers]
-        ys, full = all_gather_matmul(x, ws, group=first.group, return_gathered=True)
         s, b = x.shape[0] * first.world_size, math.prod(x.shape[1:-1])
-        whole = full.view(s, b, full.shape[-1]).transpose(0, 1)
-        self.keep(whole, [y.view(s, b, y.shape[-1]).transpose(0, 1) for y in ys])
+        # made as normal tensors under inference_mode too: ``whole`` then has a version
+        # counter, and a layer called on it after an in-place change computes afresh
+        with _tracked():
+            ys, full = all_gather_matmul(x, ws, group=first.group, return_gathered=True)
+            whole = full.view(s, b, full.shape[-1]).transpose(0, 1)
+            ys = [y.view(s, b, y.shape[-1]).transpose(0, 1) for y in ys]
+        self.keep(whole, ys)
         return whole
 
 
+def _tracked() -> contextlib.AbstractContextManager:
+    """Under ``torch.inference_mode``: a context whose new tensors are normal ones (with a
+    version counter), autograd still off; otherwise (and while compiling: ``_version``) none."""
+    if torch.compiler.is_compiling() or not torch.is_inference_mode_enabled():
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.inference_mode(False))  # (which turns autograd on: off again)
+    stack.enter_context(torch.no_grad())
+    return stack
+
+
 def _version(x: torch.Tensor) -> int | None:
-    """``x``'s version counter (bumped by each in-place change); None while compiling (Dynamo
-    traces the holder's Python whole: identity is the hit) and for an inference tensor, which
-    has none (it can change in place only inside ``torch.inference_mode``)."""
-    if torch.compiler.is_compiling() or x.is_inference():
-        return None
-    return x._version
+    """``x``'s version counter (bumped by each in-place change); 0 while compiling (Dynamo
+    traces the holder's Python whole: identity is the hit); None for an inference tensor,
+    which has none (``take`` never takes a kept product for it)."""
+    if torch.compiler.is_compiling():
+        return 0
+    return None if x.is_inference() else x._version
 
 
 def _products(layers: list[ColumnParallelLinear], x: torch.Tensor) -> list[torch.Tensor]:
