@@ -1,7 +1,8 @@
 """overlap.tune on 2 and 3 gloo ranks (interpreter): one choice on every rank, used by later
 calls, cached on disk, a corrupt cache ignored; the slowest rank's time decides (ranks timed
 differently agree); ranks whose calls differ raise; the cache key holds the world size and the
-copy engines' road. The timings themselves mean nothing on CPU."""
+copy engines' road; ``overlap.release`` of the default group (as None or as the group) forgets
+its tuned choices, contexts and decided calls. The timings themselves mean nothing on CPU."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-from _dist import check_case, spawn
+from _dist import check_case, mismatch, spawn
 
 import overlap
 from overlap.plan import make_plan
@@ -164,6 +165,47 @@ def test_ranks_timed_apart_agree_and_the_cache_keys_the_world_size():
         cache = os.path.join(d, "tuned.json")
         spawn(_timed_apart, 2, cache)
         spawn(_other_world, 3, cache)
+
+
+def _release_forgets_the_default_group(rank, R, seed):
+    """A call and an ``overlap.tune`` of the default group (passed as None or as
+    ``dist.group.WORLD``), then ``overlap.release`` (of None or of the group): no context, no
+    tuned choice and no decided call of the group left, the next plan the default one, and
+    the next call right (against float64, its ``out`` NaN first)."""
+    from overlap import context
+
+    g = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(96, 40, generator=g) for _ in range(R)]
+    ws = [torch.randn(40, 64, generator=g) for _ in range(R)]
+    x, w = xs[rank], ws[rank]
+    ref = sum(xi.double() @ wi.double() for xi, wi in zip(xs, ws, strict=True))
+    default = overlap.plan(x, w, "all_reduce").describe()
+    forced = 3 if "3 chunks" not in default else 5
+    failures = []
+    for tuned_on, released in ((None, None), (dist.group.WORLD, None), (None, dist.group.WORLD)):
+        name = f"tune(group={tuned_on and 'WORLD'}), release({released and 'WORLD'})"
+        overlap.matmul_allreduce(x, w, group=tuned_on)
+        overlap.tune(x, w, "all_reduce", group=tuned_on, candidates=(forced,), iters=1,
+                     use_cache=False)  # fmt: skip
+        if overlap.plan(x, w, "all_reduce").describe() == default:
+            failures.append(f"{name}: the tuned plan is the default one: the case is void")
+        overlap.release(released)
+        left = {"contexts": [k for k in context._contexts if k[0] is dist.group.WORLD],
+                "tuned choices": [k for k in context._tuned if k[0] is dist.group.WORLD],
+                "decided calls": list(context.calls)}  # fmt: skip
+        failures += [f"{name}: {what} left: {keys}" for what, keys in left.items() if keys]
+        after = overlap.plan(x, w, "all_reduce").describe()
+        if after != default:
+            failures.append(f"{name}: the plan after release is not the default:\n{after}\n"
+                            f"default:\n{default}")  # fmt: skip
+        out = torch.full((96, 64), float("nan"))
+        why = mismatch(overlap.matmul_allreduce(x, w, out=out), ref, 1e-5)
+        failures += [f"{name}: the call after release: {why}"] if why else []
+    return failures
+
+
+def test_release_of_the_default_group_forgets_its_tuned_choices():
+    spawn(_release_forgets_the_default_group, 2, random.randrange(1 << 30))
 
 
 def test_the_cache_key_holds_what_changes_the_timing(monkeypatch):
