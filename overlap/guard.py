@@ -229,7 +229,9 @@ _rendezvous: dict[str, Rendezvous] = {}  # group name -> its rendezvous (a few i
 def agree(group: dist.ProcessGroup | None, fingerprint: str, what: str, splits=None) -> None:
     """``Rendezvous.agree`` on ``group``'s rendezvous (made on first use, and again under a
     new default group: after ``destroy_process_group`` torch numbers the groups from "0"
-    again, and a name's old rendezvous holds the old store, ranks and count)."""
+    again, and a name's old rendezvous holds the old store, ranks and count). Not covered: a
+    second ``init_process_group`` given the same store object, whose new rendezvous counts
+    from 0 and may meet the old one's last two keys."""
     name = group_name(group)
     rv = _rendezvous.get(name)
     if rv is None or rv.world is not dist.group.WORLD:

@@ -30,6 +30,12 @@ operation per stream in turn. ``ahead``: one rank's streams (and kernel) take 16
 the others' one; ``slow``: the streams whose name starts with it run only when nothing else
 can, so that whatever waits for them, and forgets to, reads unfinished data. A wait that is
 never met fails as a deadlock.
+
+Limits: ``Kernels`` patches internals of Triton's interpreter (``set_grid_idx``,
+``set_grid_dim``, ``create_atomic_rmw``, ``GridExecutor.__call__``, ``_patch_lang``), so a
+Triton upgrade may break these tests, not the library. The fake driver accepts any argument
+types (a wrong cuda-python call passes here) and runs operations in program order (memory
+ordering of real hardware is not modelled): the GPU suite covers both.
 """
 
 from __future__ import annotations

@@ -3,6 +3,14 @@
 
 Run on a machine with 2 GPUs:  ``python -m pytest -m gpu tests/test_gpu.py``
 Each case is checked against a float64 reference computed on the GPU, output poisoned with NaN.
+
+The tests whose name ends in ``one_gpu`` run two ranks on one GPU over gloo with
+``NCCL_P2P_DISABLE=1`` (the copy engines' host road; NCCL and torch symmetric memory refuse two
+ranks on one GPU): results and host times count, GPU times do not. A test takes 14-259 s, the
+processes' start included, so the whole suite does not fit a 600 s run on 2 GPUs:
+``tools/gpu_run.sh suite`` runs each test in a process of its own with a timeout
+(``TEST_TIMEOUT``, 150 s), split with ``PYTEST_K``, or on 4 GPUs as two pairs at once;
+``test_four_gpus`` took 25-45 s per road on 4 H200s.
 """
 
 from __future__ import annotations

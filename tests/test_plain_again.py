@@ -1,11 +1,11 @@
-"""The plain path's short way (``ops._engine.plain_again``): an eager call without ``out`` or
+"""The plain path's fast lane (``ops._engine.plain_again``): an eager call without ``out`` or
 autograd whose signature the calls' memo holds with the plain path runs ``x @ w`` and the
-collective without the argument checks or the decision (issue 38 item 5: the plain path's
-host time near torch's own).
+collective without the argument checks or the decision (so that the plain path's host time
+stays near torch's own).
 
 - Repeated calls with new inputs (2-D and 3-D ``x``, sum and avg, every matmul + collective
   op) on 2 gloo ranks: each result against float64, the calls after the first taking the
-  short way (``run_after`` entered once per signature), ``overlap.stats`` counting every call.
+  fast lane (``run_after`` entered once per signature), ``overlap.stats`` counting every call.
 - After a memo hit the checks still answer invalid arguments (a float ``chunks`` equal to a
   memoized int, an unhashable ``op``, ``out`` given, inputs that need a gradient, validation
   mode), at world size 1.
@@ -98,12 +98,12 @@ def test_repeated_plain_calls_take_the_short_way():
 
 
 def test_checks_after_a_memo_hit():
-    """World size 1 (no process group): the short way answers only what the checks passed."""
+    """World size 1 (no process group): the fast lane answers only what the checks passed."""
     with _full_way_counted() as entered:
         x, w = torch.randn(8, 16), torch.randn(16, 8)
         overlap.matmul_allreduce(x, w, chunks=2)
         overlap.matmul_allreduce(x, w, chunks=2)
-        assert entered[0] == 1  # the second call took the short way
+        assert entered[0] == 1  # the second call took the fast lane
         with pytest.raises(TypeError, match="chunks must be an int"):
             overlap.matmul_allreduce(x, w, chunks=2.0)  # (== 2, the same hash)
         with pytest.raises(ValueError, match="op must be one of"):

@@ -1,7 +1,7 @@
 """A Hugging Face model through ``overlap.nn.parallelize``: with and without sequence
 parallelism, eager and with its decoder layers under ``torch.compile(fullgraph=True)``,
-checked against each other and timed in one run (issue 38 item 6; issue 40's "sequence
-parallel never slower").
+checked against each other and timed in one run: whether the library's speedups in
+``model_bench.py`` hold through a real model, and whether sequence parallelism is ever slower.
 
 A transformers ``LlamaModel`` (``--family qwen3``: ``Qwen3Model``) built from a config at
 ``model_bench.py``'s dims (8B by default; no download), ``--layers`` decoder layers, bf16, one
@@ -116,7 +116,7 @@ def _compile_layers(model):
     builds an explicit causal mask: transformers skips it for SDPA's ``is_causal`` only
     outside dynamo before torch 2.14 (``masking_utils._ignore_causal_mask_sdpa``), and the
     masked SDPA kernels took 12.55 ms of an 8B TP 2 training step against 3.66 eager (2
-    H100s, 2026-11-28, session 29's profile): compiled training was slower than eager."""
+    H100s, 2026-11-28, a profile of both): compiled training was slower than eager."""
     for layer in model.layers:
         layer.compile(fullgraph=True)
     return model

@@ -9,7 +9,7 @@ MAX_CHUNKS = 64  # counters per context; plans never exceed it
 
 # The plain-path decision (``plain_reason``). An overlapped call hides at most the shorter of
 # its GEMM and its transfer, and costs more than the plain call: host time (~0.1 ms for the
-# copy engines' recorded calls, 0.3-0.45 ms for NCCL per chunk issued in full: NOTES.md) and
+# copy engines' recorded calls, 0.36-0.45 ms for NCCL per chunk issued in full, 2 H200s) and
 # a GPU cost that grows with the peers (flags, a copy per peer and band). So the GEMM must
 # outlast the host's extra time (the host stays ahead of the GPU) and ``GEMM_MS_PER_RANK``
 # per rank, and the transfer it can hide must not be negligible. At 8B dims and 8192 tokens
@@ -18,7 +18,12 @@ MAX_CHUNKS = 64  # counters per context; plans never exceed it
 # and all-gathers among them lost up to 0.09 ms; ops of 0.31 ms or more saved 0.07-0.18 ms.
 # Rates (H100 and H200, bf16): cuBLAS 660-800 TFLOP/s (600 here); per rank one way, NVLink
 # ~150-200 GB/s (a 4096x8192 reduce-scatter in 0.166 ms on 2 H200s), pinned host memory ~25
-# (NCCL's host road: 1.34 ms), between hosts 10.
+# (NCCL's host road: 1.34 ms), between hosts 10. This is a model, not a measurement: every
+# rank must decide alike (a rank that overlaps while its peer runs plain hangs both), so it
+# reads only what the ranks share; a table measured per group would need an agreement (the
+# road's collective is the place). Not checked against measurements without P2P, at TP 4 or
+# on other GPUs; at R = 4, NCCL per chunk beat the copy engines for an all-reduce of 16384
+# rows (2.006 against 2.284 ms), which no rule here chooses.
 GEMM_FLOP_PER_MS = 6e11
 LINK_BYTES_PER_MS = {"peer": 1.5e8, "host": 2.5e7, "network": 1e7}  # by ``comm.road``
 EXTRA_HOST_MS = {"ce": 0.1, "nccl": 0.4}  # by transport: the copy engines', else NCCL's
@@ -31,7 +36,7 @@ MIN_HIDDEN_MS = 0.05
 # ``HOST_BAND_ROWS`` rows (4 tile rows of the copy engines' kernel: fewer cost GEMM speed).
 # At 8B dims, 8192 tokens, TP 2 (H100s without P2P, 2026-11-28) the NVLink road's 2 bands of
 # 16 MB per rank block left 0.21-0.52 ms above each sequence-parallel op's bound, these
-# mostly under 0.12 (BENCHMARKS.md "Per op, without P2P").
+# mostly under 0.12 (BENCHMARKS.md, "Levers tried": the host road's bands).
 HOST_BAND_BYTES = 4 << 20
 HOST_BAND_ROWS = 512
 

@@ -5,7 +5,8 @@ Three ways, one chosen per process (``method()``):
 - ``"stream_wait"``: ``cuStreamWaitValue32(GEQ)`` from cuda-python on the stream; the front end
   of the GPU waits, no SM is used (measured working on H200s).
 - ``"spin"``: a one-CTA Triton kernel (``spin.py``) where stream memory operations are missing
-  (no cuda-python, or the driver refuses them).
+  (no cuda-python, or the driver refuses them). Tests force it with ``_method = "spin"``; it
+  passed the two-GPU suite before the counters became one-shot, and has not run on GPUs since.
 - CPU tensors (Triton interpreter, gloo): the kernel ran synchronously, so the counter is read
   on the host; a counter short of its target means tiles were lost, and raises.
 """
@@ -79,8 +80,8 @@ _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 def current_raw_stream(device: torch.device) -> int:
     """Handle of ``device``'s current CUDA stream, through torch's raw getter where there is
-    one: it skips the Stream object that ``torch.cuda.current_stream`` builds, which the host
-    profile showed 7 times per call."""
+    one: it skips the Stream object that ``torch.cuda.current_stream`` builds (~4.5 us each),
+    which the host profile showed 7 times per call."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     if _raw_stream is None:
         return torch.cuda.current_stream(index).cuda_stream
@@ -124,10 +125,10 @@ class StreamOps:
 
     In a CUDA graph a batch is one node, and every replay costs ~1.1-1.7 us of host time per
     such node however many operations it holds, where copy and kernel nodes cost next to
-    nothing (one H200, 2026-11-24, ``tools/graph_launch.py``: 16 waits as 16 nodes 20-31 us
-    per replay, 16 operations as one batch 4.1-4.5 us, 32 copies 2.7-3.0 us). ``flush``
-    before anything else orders work after this stream's (``wait_stream``, an event) and at
-    the end of a call.
+    nothing (one H200, 2026-11-24, ``bench_results/graph_launch_h200.json``: 16 waits as 16
+    nodes 20-31 us per replay, 16 operations as one batch 4.1-4.5 us, 32 copies 2.7-3.0
+    us). ``flush`` before anything else orders work after this stream's (``wait_stream``, an
+    event) and at the end of a call.
     """
 
     def __init__(self, stream: int) -> None:
