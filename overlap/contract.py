@@ -45,9 +45,6 @@ if TYPE_CHECKING:
 
 FLAGS_BYTES = 4096  # flags at the start of every transport buffer (FlagLayout.check)
 SET = 1  # the value of a set flag (zeroed: not set)
-# The latency all-reduce's programs at most (``gemm/shot.py``): its flags are
-# ``[SHOT_PROGRAMS][R]`` int32 at the start of its buffer (``comm/shot.py``).
-SHOT_PROGRAMS = 64
 
 
 def first_band(rank: int, world_size: int, bands_per_block: int) -> int:

@@ -419,6 +419,7 @@ class Watchdog:
         return _settings["timeout"] or self.limits.get(t, 600.0)
 
     def _run(self) -> None:
+        _relaxed()
         while True:
             period = min([1.0] + [self.limit(t) / 10 for t in list(self.limits)])
             time.sleep(period)
@@ -458,6 +459,21 @@ class Watchdog:
 
 
 watchdog = Watchdog()
+
+
+def _relaxed() -> None:
+    """Let this thread query events while another thread captures a CUDA graph: torch's
+    captures forbid every other thread's "unsafe" CUDA calls by default (an event query there
+    invalidated a user's capture begun within a second of an eager call, 2 H200s), unless the
+    querying thread is in relaxed mode. Without cuda-python nothing changes (a capture begun
+    within a second of a CuPy call can then fail)."""
+    try:
+        from cuda.bindings import driver
+    except ImportError:
+        return
+    driver.cuThreadExchangeStreamCaptureMode(
+        driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED
+    )
 
 
 def fingerprint(op: str, dtype: torch.dtype, sizes: dict[str, int | list], layout: str) -> str:

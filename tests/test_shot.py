@@ -1,126 +1,113 @@
-"""No devices: the latency all-reduce kernel (``overlap/gemm/shot.py``) under Triton's
-interpreter, every rank's launch a thread and every program of a launch a thread of its own,
-stepped in turn by the simulation's scheduler (``_sim.Kernels``), so that a program spinning
-on a peer's flag waits for that peer as on GPUs.
+"""No devices: the latency all-reduce's choice by size and its release of a dead peer's
+barriers (``overlap/comm/shot.py``).
 
-The ranks' buffers and flags are CPU tensors whose addresses every rank's kernel gets, as
-the GPUs' symmetric memory. Checked against float64 sums on fresh data: one-shot and
-two-shot, sizes below one block, several blocks, more blocks than programs, calls one after
-another (epochs), a skewed schedule (one rank many steps ahead: it must wait, not read a
-peer's partial of the previous call), the same bits on every rank, and an abort that ends
-a wait on a peer that never comes.
+torch's symmetric-memory kernels synchronize blocks of the same index across ranks through
+signal pads: block ``b`` of rank ``r`` sets its flag in each peer ``q``'s pad (``b * R + r``)
+from 0 to 1, then waits for ``q``'s flag in its own pad (``b * R + q``) to be 1 and sets it
+back to 0, both by compare-and-swap loops without a timeout; a one-shot call has two such
+barriers per block. Here that protocol runs in Python on every live rank, a peer dies before
+or between the barriers, and the survivors' ``release_writes`` (what ``ShotTransport.abort``
+writes by stream writes, ``RELEASE_ROUNDS`` times) must let them finish.
 """
 
 from __future__ import annotations
 
 import pytest
-import torch
-from _sim import Kernels
 
-from overlap.gemm import shot
+from overlap.comm import shot
 
-MAX_STEPS = 200_000
+BASE = 1 << 20  # fake pad addresses: rank r's pad at BASE * (r + 1)
 
 
-class Ranks:
-    """``world`` ranks' buffers, flags, epochs and abort words, as ``comm/shot.py`` keeps
-    them per rank."""
+class Pads:
+    def __init__(self, R: int, words: int) -> None:
+        self.R, self.words = R, words
+        self.mem = [[0] * words for _ in range(R)]
+        self.addrs = [BASE * (r + 1) for r in range(R)]
 
-    def __init__(self, world: int, n: int, dtype: torch.dtype) -> None:
-        self.world, self.n, self.dtype = world, n, dtype
-        self.bufs = [torch.zeros(n, dtype=dtype) for _ in range(world)]
-        self.flags = [torch.zeros(shot.MAX_PROGRAMS * world, dtype=torch.int32) for _ in
-                      range(world)]  # fmt: skip
-        self.epochs = [torch.zeros(shot.MAX_PROGRAMS, dtype=torch.int32) for _ in range(world)]
-        self.aborts = [torch.zeros(1, dtype=torch.int32) for _ in range(world)]
-        self.buffers = torch.tensor([b.data_ptr() for b in self.bufs], dtype=torch.int64)
-        self.flag_ptrs = torch.tensor([f.data_ptr() for f in self.flags], dtype=torch.int64)
+    def cas(self, r: int, i: int, old: int, new: int) -> bool:
+        if self.mem[r][i] == old:
+            self.mem[r][i] = new
+            return True
+        return False
 
-    def launch(self, r: int, parts: list[torch.Tensor], outs: list[torch.Tensor], two_shot: bool):
-        """Rank ``r``'s calls one after another, as its stream would run them: its partial
-        ``parts[c]`` stored into its buffer (the matmul's ``out=``), then the kernel into
-        ``outs[c]``."""
-
-        def go():
-            for part, out in zip(parts, outs, strict=True):
-                self.bufs[r].copy_(part)
-                shot.shot_all_reduce(out, self.buffers, self.flag_ptrs, self.epochs[r],
-                                     self.aborts[r], self.n, r, self.world, two_shot)  # fmt: skip
-
-        return go
+    def write(self, addr: int, value: int) -> None:
+        r, off = divmod(addr, BASE)
+        self.mem[r - 1][off // 4] = value
 
 
-def _run(kernels: Kernels, names: list[str], ahead: str | None = None) -> None:
-    """Step the kernels ``names`` until all are done (``ahead``: that one takes 16 steps to
-    the others' one); a schedule that never ends fails as a deadlock."""
-    live = list(names)
-    for _ in range(MAX_STEPS):
-        if not live:
-            return
-        for name in list(live):
-            for _ in range(16 if name == ahead else 1):
-                if kernels.step(name) == "done":
-                    live.remove(name)
-                    break
-    raise AssertionError(f"deadlock: {live} never finished")
+def _rank(pads: Pads, r: int, blocks: int, barriers: int, dies_after: int | None):
+    """One rank's kernel as a generator: yields False after each failed CAS (a spin), True
+    after each that succeeded."""
+    R, done = pads.R, 0
+    for _ in range(barriers):
+        if dies_after is not None and done == dies_after:
+            return  # dead: stops here for good
+        for b in range(blocks):
+            for q in range(R):  # (threads q of the block, in turn)
+                while not pads.cas(q, b * R + r, 0, 1):
+                    yield False
+                yield True
+                while not pads.cas(r, b * R + q, 1, 0):
+                    yield False
+                yield True
+        done += 1
 
 
-@pytest.mark.parametrize("two_shot", [False, True], ids=["one_shot", "two_shot"])
-@pytest.mark.parametrize(
-    "world,n", [(2, 1), (2, 100), (2, 3 * shot.BLOCK + 5), (3, 2 * shot.BLOCK + 1), (4, 40)]
-)
-def test_sum_over_ranks(monkeypatch, two_shot, world, n):
-    kernels = Kernels(monkeypatch)
-    try:
-        calls = 3  # epochs: each call waits for this call's partials only, and no rank
-        ranks = Ranks(world, n, torch.float32)  # stores the next before the peers are done
-        parts = torch.randn(world, calls, n, dtype=torch.float64).float()
-        ref = parts.double().sum(0)
-        for ahead in range(world):  # one rank 16 steps to the others' one
-            outs = torch.full((world, calls, n), float("nan"))
-            names = [f"a{ahead}r{r}" for r in range(world)]
-            for r, name in enumerate(names):
-                kernels.start(name, ranks.launch(r, list(parts[r]), list(outs[r]), two_shot))
-            _run(kernels, names, ahead=names[ahead])
-            for r in range(world):
-                torch.testing.assert_close(outs[r].double(), ref, atol=1e-5, rtol=1e-5)
-                assert torch.equal(outs[r], outs[0]), "ranks' results differ in bits"
-        done = [e[: shot.programs(n, world, two_shot)].tolist() for e in ranks.epochs]
-        assert all(c == [calls * world] * len(c) for c in done), done
-    finally:
-        kernels.close()
+@pytest.mark.parametrize("R", [2, 3, 4])
+@pytest.mark.parametrize("dies_after", [0, 1])  # before its first barrier, or between the two
+def test_release_lets_the_survivors_finish(R, dies_after):
+    blocks, barriers, dead = 3, 2, R - 1
+    pads = Pads(R, 64)
+    for call in range(2):  # a whole call first: the pads as a finished call leaves them
+        live = {r: _rank(pads, r, blocks, barriers, dies_after if call and r == dead else None)
+                for r in range(R)}  # fmt: skip
+        releases = 0
+        while live:
+            finished, moved = [], False
+            for r, gen in live.items():
+                for _ in range(100):
+                    try:
+                        moved |= next(gen)
+                    except StopIteration:
+                        finished.append(r)
+                        break
+            for r in finished:
+                del live[r]
+            if live and not (finished or moved):  # all spin: the survivors' watchdogs fire
+                assert call == 1, "a call with every rank alive did not finish"
+                assert releases < shot.RELEASE_ROUNDS, f"still held after {releases} rounds"
+                for r in live:
+                    for addr, value in shot.release_writes(pads.addrs, pads.words, r):
+                        pads.write(addr, value)
+                releases += 1
+        assert call == 0 or releases > 0
 
 
-def test_many_blocks_per_program(monkeypatch):
-    """More blocks than programs: each program walks several."""
-    monkeypatch.setattr(shot, "MAX_PROGRAMS", 2)
-    kernels = Kernels(monkeypatch)
-    try:
-        n = 5 * shot.BLOCK + 3
-        for two_shot in (False, True):
-            ranks = Ranks(2, n, torch.float32)
-            parts = torch.randn(2, 2, n)
-            outs = torch.full((2, 2, n), float("nan"))
-            names = [f"{two_shot}{r}" for r in range(2)]
-            for r, name in enumerate(names):
-                kernels.start(name, ranks.launch(r, list(parts[r]), list(outs[r]), two_shot))
-            _run(kernels, names, ahead=names[1])
-            for out in outs:
-                torch.testing.assert_close(out.double(), parts.double().sum(0), atol=1e-5,
-                                           rtol=1e-5)  # fmt: skip
-    finally:
-        kernels.close()
+def test_without_release_the_survivor_waits_forever():
+    pads = Pads(2, 64)
+    alive = _rank(pads, 0, 2, 2, None)
+    list(_rank(pads, 1, 2, 2, 0))  # rank 1 dies at once
+    for _ in range(10_000):
+        next(alive)  # never StopIteration: it spins
+    assert not any(next(alive) for _ in range(100))
 
 
-def test_abort_ends_the_wait_on_a_dead_peer(monkeypatch):
-    """Rank 1 never launches: rank 0 spins in its barrier until its abort word is set."""
-    kernels = Kernels(monkeypatch)
-    try:
-        ranks = Ranks(2, 10, torch.float32)
-        kernels.start("r0", ranks.launch(0, [torch.ones(10)], [torch.empty(10)], False))
-        kinds = [kernels.step("r0") for _ in range(50)]
-        assert kinds[-1] == "poll" and "done" not in kinds, kinds
-        ranks.aborts[0].fill_(1)
-        _run(kernels, ["r0"])
-    finally:
-        kernels.close()
+def test_release_writes_touch_only_this_ranks_flags():
+    pads = [1000, 2000, 3000]
+    writes = shot.release_writes(pads, 12, 1)
+    own = {(a - 2000) // 4 for a, v in writes if 2000 <= a < 3000}
+    assert own == {b * 3 + q for b in range(4) for q in (0, 2)}
+    assert all(v == 1 for a, v in writes if 2000 <= a < 3000)
+    theirs = {(a // 1000, (a % 1000) // 4) for a, v in writes if not 2000 <= a < 3000}
+    assert theirs == {(p, b * 3 + 1) for b in range(4) for p in (1, 3)}
+    assert all(v == 0 for a, v in writes if not 2000 <= a < 3000)
+
+
+def test_kind_by_size():
+    assert shot.kind(16) == "one-shot"
+    assert shot.kind(shot.ONE_SHOT_BYTES) == "one-shot"
+    assert shot.kind(shot.ONE_SHOT_BYTES + 16) == "two-shot"
+    assert shot.kind(shot.SHOT_BYTES) == "two-shot"
+    assert shot.kind(shot.SHOT_BYTES + 16) is None
+    assert shot.kind(8 * 3 * 1234 * 2 // 8 + 2) is None  # not whole 16-byte vectors

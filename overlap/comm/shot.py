@@ -1,59 +1,84 @@
-"""The latency all-reduce: one-shot or two-shot over GPU-to-GPU mappings, for products too
-small to overlap (decode, small batches), in place of NCCL's kernel.
+"""The latency all-reduce: torch's symmetric-memory one-shot or two-shot all-reduce, for
+products too small to overlap (decode, small batches), in place of NCCL's, GPU to GPU.
 
 A product ``[M, N]`` on the plain path is stored by its matmul straight into this rank's
-symmetric-memory buffer (``partial``), and one kernel (``overlap/gemm/shot.py``) reads the
-peers' buffers over NVLink and writes the sum into the result: no NCCL call, a few
-microseconds of host time (one matmul, one kernel launch) where torch's ``dist.all_reduce``
-costs ~45 us eagerly. One-shot (every rank reads every partial) below ``ONE_SHOT_BYTES``,
-two-shot (reduce-scatter then all-gather, through the same buffers) up to ``SHOT_BYTES``:
-``kind`` decides, the same on every rank.
+symmetric-memory buffer (``partial``), and one of torch's kernels
+(``torch.ops.symm_mem.one_shot_all_reduce_out`` or ``two_shot_all_reduce_out``) reads the
+peers' buffers over NVLink and writes the sum into the result: no NCCL call, about 10 us of
+host time where ``dist.all_reduce`` costs ~45 us eagerly. Measured against the library's own
+Triton one-shot / two-shot kernel on the same buffers (2 H200s, 2026-11-28, 4 KB to 16 MB of
+bf16): torch's took 0.5-0.8x its time captured and its launch 10 us of host time against
+Triton's 27, so torch's runs (the levers table). Both of torch's kernels end with a barrier
+after their last read of the peers' buffers, so the next call's matmul may overwrite this
+rank's buffer, and every rank sums the same partials in the same order (the same bits).
+
+``kind`` decides by size, the same on every rank: one-shot up to ``ONE_SHOT_BYTES``, two-shot
+up to ``SHOT_BYTES``, in place of an overlapped call too.
 
 One transport per (group, device), made by the first eligible eager call on every rank (the
-mapping is a collective) and shared by the contexts of every caller stream (``sized``): a
-call captured in a CUDA graph uses it where an eager call made it, else NCCL. Flags,
-per-program call counts and the abort word stay in device memory, so a graph's replays
-count on (``gemm/shot.py``: epochs, no resets). ``watched``: a peer that never arrives holds
-the kernel in its barrier until the watchdog's ``abort`` sets the abort word (a stream
-write: no SM needed), then the call raises.
+rendezvous is a collective) and shared by the contexts of every caller stream (``sized``): a
+call captured in a CUDA graph uses it where an eager call made it, else NCCL. ``watched``:
+torch's kernels synchronize through signal pads with compare-and-swap loops that have no
+timeout (a rank sets its flag in a peer's pad from 0 to 1, then waits for the peer's flag in
+its own pad to be 1 and sets it back to 0); a peer that never arrives holds them, so the
+watchdog's ``abort`` releases them with stream writes (no SM needed): this rank's flags for
+the peers set to 1, this rank's flags in the peers' pads set to 0, a few rounds, until every
+barrier of the calls in flight has passed (their results are garbage; the call raises).
 
-Needs: CUDA, torch symmetric memory, cuda-python (the road "peer", ``route``), at most
-``FLAGS_BYTES / (4 SHOT_PROGRAMS)`` ranks.
+Needs: CUDA, torch symmetric memory, cuda-python (the road "peer", ``route``).
 """
 
 from __future__ import annotations
 
+import time
 import warnings
 
 import torch
 import torch.distributed as dist
 
-from ..contract import FLAGS_BYTES, SHOT_PROGRAMS
 from ..signal.wait import StreamOps
 from .transport import Transport, kept
 
-# Crossovers, product bytes (2 H200s, NVLink, bf16; tools/decode_bench.py's op sweep): one-shot
-# up to ONE_SHOT_BYTES, two-shot up to SHOT_BYTES, NCCL (or the overlapped call) above.
-ONE_SHOT_BYTES = 256 << 10
+# Crossovers, product bytes (2 H200s, NVLink, bf16, tools/decode_bench.py's op sweep of
+# 2026-11-28, captured us per op with the matmul): one-shot below two-shot up to 256 KB
+# (12.3 / 13.6 at 8 KB, 13.8 / 14.6 at 256 KB), even at 512 KB-1 MB; two-shot below NCCL up
+# to 16 MB (37.9 / 48.3 at 4 MB, 116 / 125 at 16 MB) and below the overlapped call there
+# (116 / 178 at 2048 x 4096, K = 2048; 164 / 156 at 1024 x 8192, K = 4096, 424 / 412 at K =
+# 14336: within 3%); above 16 MB equal to NCCL (627 / 653 at 64 MB) and the overlapped
+# call wins.
+ONE_SHOT_BYTES = 512 << 10
 SHOT_BYTES = 16 << 20
-# up to these bytes the latency all-reduce runs in place of an overlapped call too (at 512 x
-# 8192 bf16, K = 14336 the overlapped call took 238 us, NCCL 221, torch's two-shot 211)
-OVER_OVERLAP = 8 << 20
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 KINDS = ("one-shot", "two-shot")
+RELEASE_ROUNDS = 20  # abort: rounds of writes, each releasing one barrier of every block
 
 
-def kind(nbytes: int, world_size: int) -> str | None:
+def kind(nbytes: int) -> str | None:
     """Which latency all-reduce ("one-shot", "two-shot", or None: NCCL) takes a product of
-    ``nbytes`` over ``world_size`` ranks."""
-    if 4 * SHOT_PROGRAMS * world_size > FLAGS_BYTES or nbytes > SHOT_BYTES:
+    ``nbytes``."""
+    if nbytes > SHOT_BYTES or nbytes % 16:  # (torch's kernels: 16-byte vectors)
         return None
     return "one-shot" if nbytes <= ONE_SHOT_BYTES else "two-shot"
 
 
+def release_writes(pads: list[int], words: int, rank: int) -> list[tuple[int, int]]:
+    """``(address, value)`` of the int32 writes that release rank ``rank``'s barriers in torch's
+    signal pads ``pads`` (one per rank, ``words`` flags each: block ``b``'s flag for rank
+    ``q`` at ``b * R + q``): its own flags for every peer set (its waits pass), its flags in
+    every peer's pad cleared (its sets pass)."""
+    R = len(pads)
+    writes = []
+    for b in range(words // R):
+        for q in range(R):
+            if q != rank:
+                writes.append((pads[rank] + 4 * (b * R + q), 1))
+                writes.append((pads[q] + 4 * (b * R + rank), 0))
+    return writes
+
+
 class ShotTransport(Transport):
-    """The group's symmetric buffer, flags, call counts and abort word; one per (group,
-    device)."""
+    """The group's symmetric buffer (``partial``) and the reduction (``reduce``); one per
+    (group, device)."""
 
     name, road, sized, watched, column_bands = "shot", "peer", True, True, True
 
@@ -61,47 +86,66 @@ class ShotTransport(Transport):
         from torch.distributed import _symmetric_memory as symm_mem
 
         self.group, self.device = group, device
-        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
-        name = (group if group is not None else dist.group.WORLD).group_name
+        self.rank = dist.get_rank(group)
+        self.group_name = (group if group is not None else dist.group.WORLD).group_name
         with warnings.catch_warnings():  # needed by older torch, deprecated by newer
             warnings.simplefilter("ignore")
-            symm_mem.enable_symm_mem_for_group(name)
+            symm_mem.enable_symm_mem_for_group(self.group_name)
 
-        def make() -> tuple[torch.Tensor, ...]:
-            buf = symm_mem.empty(FLAGS_BYTES + SHOT_BYTES, dtype=torch.uint8, device=device)
-            handle = symm_mem.rendezvous(buf, name)
-            buf[:FLAGS_BYTES].zero_()  # no flag set
-            ptrs = [int(a) for a in handle.buffer_ptrs]
-            flags = torch.tensor(ptrs, dtype=torch.int64, device=device)
-            buffers = flags + FLAGS_BYTES
-            epochs = torch.zeros(SHOT_PROGRAMS, dtype=torch.int32, device=device)
-            abort = torch.zeros(1, dtype=torch.int32, device=device)
-            return buf, handle, flags, buffers, epochs, abort
+        def make() -> tuple:
+            buf = symm_mem.empty(SHOT_BYTES, dtype=torch.uint8, device=device)
+            return buf, symm_mem.rendezvous(buf, self.group_name)
 
-        made = kept(device, make)
-        self.buf, self.handle, self.flags, self.buffers, self.epochs, self.word = made
-        dist.barrier(group=group)  # every rank's flags are zero before anyone sets one
+        self.buf, self.handle = kept(device, make)
+        self._views: dict[tuple, torch.Tensor] = {}
+        ops = torch.ops.symm_mem
+        self._two = getattr(ops, "two_shot_all_reduce_out", None)  # (torch >= 2.9)
+        self._one = ops.one_shot_all_reduce_out
 
     def partial(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """This rank's buffer as a contiguous tensor of ``shape`` (at most ``SHOT_BYTES``):
-        where the matmul stores its partial product."""
-        n = 1
-        for d in shape:
-            n *= d
-        return self.buf[FLAGS_BYTES : FLAGS_BYTES + n * dtype.itemsize].view(dtype).view(shape)
+        where the matmul stores its partial product (a view made once per shape)."""
+        key = (shape, dtype)
+        view = self._views.get(key)
+        if view is None:
+            if len(self._views) >= 256:  # (one per call site's shape)
+                self._views.clear()
+            n = 1
+            for d in shape:
+                n *= d
+            view = self.buf[: n * dtype.itemsize].view(dtype).view(shape)
+            self._views[key] = view
+        return view
+
+    def reduce(self, part: torch.Tensor, out: torch.Tensor, two_shot: bool) -> None:
+        """``out`` = the sum over the ranks of their ``part`` (``partial``), on the current
+        stream."""
+        if not two_shot:
+            self._one(part, "sum", self.group_name, out)
+        elif self._two is not None:
+            self._two(part, "sum", self.group_name, out)
+        else:
+            torch.ops.symm_mem.two_shot_all_reduce_(part, "sum", self.group_name)
+            out.copy_(part)
 
     def abort(self) -> None:
-        """End this rank's waits on its peers: the abort word set by a stream write on a
-        side stream (no SM: the waiting programs may hold some)."""
+        """Release this rank's barriers in torch's kernels (module docstring): the writes of
+        ``release_writes`` by stream writes on a side stream, ``RELEASE_ROUNDS`` times."""
+        pads = [int(a) for a in self.handle.signal_pad_ptrs]
+        writes = release_writes(pads, self.handle.signal_pad_size // 4, self.rank)
         side = torch.cuda.Stream(self.device)
-        q = StreamOps(side.cuda_stream)
-        q.write(self.word.data_ptr(), 1)
-        q.flush()
-        side.synchronize()
+        for _ in range(RELEASE_ROUNDS):
+            q = StreamOps(side.cuda_stream)
+            for addr, value in writes:
+                q.write(addr, value)
+            q.flush()
+            side.synchronize()
+            time.sleep(0.005)
 
     def close(self) -> None:
         """Free the symmetric buffer (every rank of the group closes together)."""
         self.buf = self.handle = None
+        self._views.clear()
 
     @property
     def nbytes(self) -> int:

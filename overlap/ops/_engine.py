@@ -148,7 +148,7 @@ def _decide(x, w, name, group, chunks, backend, capturing: bool):
     kind = None  # the latency all-reduce (comm/shot.py), where the group's GPUs map each other's
     if spec.replicated and road == ShotTransport.road and backend == "auto" and chunks is None \
             and x.dtype in shot.DTYPES:  # fmt: skip
-        kind = shot.kind(M * N * x.element_size(), R)
+        kind = shot.kind(M * N * x.element_size())
         if kind is not None and capturing and comm.shared(ShotTransport, ctx.group, x.device) \
                 is None:  # fmt: skip
             kind = None  # (a capture cannot map its buffer: an eager call makes it)
@@ -167,7 +167,7 @@ def _decide(x, w, name, group, chunks, backend, capturing: bool):
         num_sms=num_sms(x.device), chunks=chunks, blocked=cls.blocked, transport=cls.name,
         link=road or "network",
     )  # fmt: skip
-    if kind is not None and (p.path != "overlap" or M * N * x.element_size() <= shot.OVER_OVERLAP):
+    if kind is not None:  # (in place of an overlapped call too: comm/shot.py's crossovers)
         why = f"{kind} all-reduce: its transfer is shorter than an overlapped call's cost"
         return Plan("fallback", why, name, M, N, K, R, transport=kind), ctx, None
     return p, ctx, cls if p.path == "overlap" else None  # (a small product: the plain path)
@@ -477,8 +477,6 @@ def _shot(x, w, out, p: Plan, scale: float | None, ctx: Context, shape) -> torch
     """``x @ w`` stored into this rank's buffer of the group's ``ShotTransport``, then its
     one-shot or two-shot all-reduce (``p.transport``) into ``out`` on the caller stream; an
     eager call is watched (``_issued``)."""
-    from ..gemm.shot import shot_all_reduce  # Triton: imported on first use
-
     cap = torch.cuda.is_current_stream_capturing()
     t = ctx.transport(ShotTransport, cap)  # (made by the first call: a collective)
     part = t.partial(shape, x.dtype)
@@ -488,8 +486,7 @@ def _shot(x, w, out, p: Plan, scale: float | None, ctx: Context, shape) -> torch
     if out is None:
         out = torch.empty(shape, dtype=x.dtype, device=x.device)
     with _on_device(x):
-        shot_all_reduce(out, t.buffers, t.flags, t.epochs, t.word, p.M * p.N, t.rank, t.size,
-                        p.transport == "two-shot")  # fmt: skip
+        t.reduce(part, out, p.transport == "two-shot")
     if not cap:
         _issued(t, ctx, p)
     return out
