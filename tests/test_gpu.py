@@ -349,8 +349,8 @@ def _tp_inside_dp(rank, R, seed, backend, group):
 @pytest.mark.parametrize("p2p", ["nvlink", "no_p2p"])
 @pytest.mark.parametrize("backend", ["auto", "torch"])
 def test_four_gpus_tp_inside_dp(backend, p2p, monkeypatch):
-    """Issue 39: TP groups inside TP x DP on 4 GPUs, the copy engines' two roads (``auto``)
-    and NCCL per chunk (skipped with fewer GPUs)."""
+    """Tensor-parallel groups inside TP x DP on 4 GPUs (group ranks differ from global ones),
+    the copy engines' two roads (``auto``) and NCCL per chunk (skipped with fewer GPUs)."""
     if not torch.cuda.is_available() or torch.cuda.device_count() < 4:
         pytest.skip("needs 4 CUDA GPUs")
     monkeypatch.setenv("TRITON_INTERPRET", "0")

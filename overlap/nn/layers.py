@@ -63,7 +63,7 @@ from ..ops.dense import matmul_allreduce_stacked
 
 def _rank_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
     """This rank's index in ``group`` and its size; ``(0, 1)`` without a process group (and
-    ``RuntimeError`` there under a launcher that set ``WORLD_SIZE`` > 1: ``ops.world``)."""
+    ``RuntimeError`` there under a launcher that set ``WORLD_SIZE`` > 1: ``ops._checks.world``)."""
     R = world(group)
     return (dist.get_rank(group), R) if dist.is_available() and dist.is_initialized() else (0, 1)
 
