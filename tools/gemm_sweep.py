@@ -16,8 +16,9 @@ Kernels (each with the plan the library makes for it, world size = the shape's T
 - ``cbar``, ``cbrs``: cuBLAS per chunk into the slots of the ``ar`` and ``rs`` plans;
 - ``tri``, ``trip``: what Triton gives at best on this chip, the floor of this design: a plain
   matmul through TMA descriptors (no chunks, counters or epilogue), one program per tile
-  (``tri``, what the NCCL road may launch) or one per SM (``trip``, the copy engines' road);
-  with several tile configs, the JSON's summary also has ``KIND best``, per shape the fastest.
+  (``tri``, what NCCL per chunk's plans may launch) or one per SM (``trip``, the copy
+  engines' road); with several tile configs, the JSON's summary also has ``KIND best``, per
+  shape the fastest.
 
 A kernel named ``KIND:BMxBNxBK/W/S`` runs with that tile config (``--configs``: every kernel). A
 kernel name may end in ``@NAME``: the same kernel through ``--baseline NAME=PATH``, a copy of

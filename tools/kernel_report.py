@@ -6,7 +6,7 @@ wgmma pipeline is slower on the GPU; this shows it before any device time is spe
     python tools/kernel_report.py [--shapes 4096x8192x4096,...] [--worlds 2,4,8]
         [--kinds ar,ce] [--dtype bf16] [--matmul PATH]
 
-Kinds as in ``tools/gemm_sweep.py``: ``ar``, the NCCL road's kernel on an all-reduce plan (one
+Kinds as in ``tools/gemm_sweep.py``: ``ar``, NCCL per chunk's kernel on an all-reduce plan (one
 program per tile); ``ce``, the copy engines' kernel (blocked all-reduce plan, rank 0, the fused
 epilogue; persistent). ``--matmul``: another version of ``overlap/gemm/matmul.py`` (its ``from
 ..`` imports made ``from overlap.``), for an A/B. The host code of that file builds the
