@@ -118,6 +118,29 @@ def test_finished_calls_are_left_alone(timeout):
     assert t.aborts == ["overlap-watchdog"] and t.broken
 
 
+def test_an_issued_call_reuses_the_oldest_finished_event(monkeypatch):
+    """``issued`` records the call on the event of the transport's oldest call where that one
+    is done (no new event per call of a burst), else on a new one; the call in flight stays
+    watched."""
+    made: list = []
+
+    class _Recorded(_Call):
+        def record(self, stream) -> None:
+            self.done.clear()  # (in flight again, on ``stream``)
+
+    monkeypatch.setattr(torch.cuda, "Event", lambda: made.append(_Recorded()) or made[-1])
+    dog, first = guard.Watchdog(), _Recorded()
+    dog.thread = threading.current_thread()  # (no thread started)
+    t = _Stuck(_Call())
+    dog.track(t, first, _Plan())
+    dog.issued(t, None, _Plan())  # the first call still in flight: a new event
+    assert len(made) == 1 and [e for e, *_ in dog.flights[t]] == [first, made[0]]
+    first.done.set()
+    dog.issued(t, None, _Plan())  # the first is done: its event again, in flight
+    assert len(made) == 1 and [e for e, *_ in dog.flights[t]] == [made[0], first]
+    assert not first.query()
+
+
 def test_the_timeout_is_the_process_groups_unless_configured():
     """Unset, a call may take its process group's own timeout (as torch's watchdog gives its
     collectives); ``configure(timeout=)`` replaces it."""
