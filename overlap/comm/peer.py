@@ -46,7 +46,7 @@ they wait for queued behind a kernel.
 
 Needs: CUDA, torch symmetric memory, cuda-python, P2P access between all ranks' GPUs
 (``route``; ranks of one host without P2P go through host memory instead, ``host.py``).
-Column-band plans use NCCL (``transport.choose``). One transport per (group, device), shared
+Column-band plans use NCCL (``comm.select``). One transport per (group, device), shared
 by the contexts of every caller stream (``overlap/context.py``), so that a call captured in a
 CUDA graph uses the buffer an eager call sized: a capture cannot allocate symmetric memory.
 

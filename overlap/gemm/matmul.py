@@ -15,7 +15,7 @@ The main loop is a plain Triton tiled loop. What differs from a plain GEMM:
   ``Epilogue`` (a copy-engine transport, ``overlap/contract.py``), this rank's own tiles
   first add the peers' partials, loaded through TMA where the rows are 16-byte aligned
   (pointer loads held 254 registers and took ~4 us more per call at 4096x8192x4096 on H200).
-- Launch: on the NCCL road one program per tile: persistent programs starved NCCL's kernels
+- Launch: with NCCL per chunk one program per tile: persistent programs starved NCCL's kernels
   there (0.80-0.99x of sequential on 2x H200). On the copy engines' road (an ``Epilogue``; no
   SM does communication) one program per SM: the peers' tiles in a flattened loop (the next
   tile's loads overlap this one's store, which goes in two halves so that 4 load stages fit

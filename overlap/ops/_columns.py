@@ -6,7 +6,7 @@ column layers' input gradient, ``matmul_allreduce_stacked``).
 Only a call that runs can see adjacency: under ``torch.compile`` the tensors are fake and
 have no addresses, so a join traced into the graph is a copy at every call, at an address the
 allocator picks, and the weight's address is in every record's signature (the copies churned
-the records: 74-120 of 360 compiled training calls ran eagerly at 8B dims, session 27). So
+the records: 74-120 of 360 compiled training calls ran eagerly at 8B dims, 4x H100). So
 under compile the custom ops take the weights as a list (``others``) and join them in their
 bodies (``joined``, ``stacked``), forward and backward.
 """

@@ -326,7 +326,7 @@ def run_after(
 def plain_again(x, w, name, group, op, backend, chunks, label: str) -> tuple:
     """``(result, None)`` for an eager call without ``out`` or autograd whose signature the
     memo holds with the plain path (a call with the same values passed every check and was
-    decided before): ``x @ w`` and the collective, with nothing else looked at (issue 38:
+    decided before): ``x @ w`` and the collective, with nothing else looked at (host time
     within a few microseconds of torch's own). Otherwise ``(None, sig)``: the call takes the
     full way (``run_after``), whose checks raise for invalid arguments; ``sig`` is the
     signature made here for it (None where none was: autograd, compile, capture, unhashable
