@@ -21,6 +21,12 @@ signature the memo holds with the plain path skips stages 1-4 (``plain_again``: 
 passed for the same values; validation mode keeps no memo): the host time of a product too
 small to overlap stays near torch's own.
 
+An all-reduce of at most ``comm.shot.SHOT_BYTES`` on a group whose GPUs map each other's
+memory (road "peer"), ``backend="auto"``, bf16 or fp32, no ``chunks``, takes the plain path
+with the latency all-reduce (``_shot``: the product stored into the group's symmetric buffer,
+torch's one-shot or two-shot kernel, ``Plan.transport`` "one-shot" / "two-shot"), also where
+the call would otherwise overlap (``comm/shot.py``'s crossovers).
+
 The direction decides 5-7: a collective *after* the matmul (``run_after``: the kernel
 produces, the transport moves) or *before* it (``run_before``: the transport gathers, cuBLAS
 consumes band by band). Every call is counted by path (``overlap.stats``).

@@ -63,7 +63,9 @@ def matmul_collective(
             "cupy" (a direct NCCL communicator created once from the group) or "ce"
             (copy-engine pushes, GPU to GPU where the GPUs map each other's memory, else
             through pinned host memory: ``overlap/comm/peer.py``, ``host.py``; NCCL where a
-            plan or a CUDA-graph capture does not allow it, ``comm.select``).
+            plan or a CUDA-graph capture does not allow it, ``comm.select``). With "auto",
+            a bf16 or fp32 all-reduce of at most 16 MB on GPUs that map each other's memory
+            runs torch's symmetric-memory one-/two-shot all-reduce (``comm/shot.py``).
         chunks: about how many chunks to use, an int in [2, 64] (default: the planner's).
         input_split_sizes, output_split_sizes: (all-to-all; both or neither) rows of the
             product this rank sends to each rank (consecutive, in rank order; they add up to
