@@ -496,7 +496,9 @@ class Bench:
                 steps = {m: model.step(m) for m in modes}
                 make = {m: (lambda s=s: [s(h)]) for m, s in steps.items()}
                 run = {m: (lambda s=s: s(h)) for m, s in steps.items()}
-                rows = self.cell(key, make, run, (a.iters, a.replays))
+                # (eager steps are host-bound and noisy, and a few ms each: 6x the rounds; the
+                # first cell ran 2x slower with 5 rounds, 2 of them warm-up, on 2 H200s)
+                rows = self.cell(key, make, run, (6 * a.iters, a.replays))
                 _speedups(rows, "ms")
                 for r in rows.values():
                     r.update(part="decode", dims=dims, B=B, layers=a.layers, cache=a.cache)
