@@ -52,7 +52,7 @@ class Context:
             self.comm_stream = torch.cuda.Stream(device, priority=highest)
         self._transports: dict[type, Transport] = {}
         self._counters: torch.Tensor | None = None
-        # where this stream's recorded calls are captured into CUDA graphs (ops/_record.py)
+        # where this stream's recorded calls are captured into CUDA graphs (ops/record.py)
         self.record_stream: torch.cuda.Stream | None = None
 
     @property
@@ -97,11 +97,11 @@ class Context:
 _contexts: dict[tuple, Context] = {}  # (group, device, caller stream handle) -> Context
 _users: dict[Transport, Context] = {}  # sized transport -> the context that used it last
 _tuned: dict[tuple, int | str] = {}  # (group, M, N, K, dtype, collective) -> overlap.tune's
-# What an eager call's arguments were decided to run (ops/_engine.py ``Known``), by the call's
-# signature (ops/_record.py): kept once a call passed the checks and was planned, forgotten when
+# What an eager call's arguments were decided to run (ops/engine.py ``Known``), by the call's
+# signature (ops/record.py): kept once a call passed the checks and was planned, forgotten when
 # the road, the tuned choices or the transports' buffers change.
 calls: dict[tuple, object] = {}
-# Recorded eager calls (ops/_record.py), least recent first: (call signature, outputs) ->
+# Recorded eager calls (ops/record.py), least recent first: (call signature, outputs) ->
 # Record. Forgotten with the calls (the graphs hold the transports' addresses).
 records: OrderedDict[tuple, object] = OrderedDict()
 

@@ -4,7 +4,7 @@ kept calls off the overlapped path.
 Every call of a public op counts once (``count``) under the op's name (the function the user
 called; a backward's overlapped input gradient under the op that computes it), keyed by what
 ran: ``"overlap via ce"``,
-``"overlap via torch"``, ``"replayed via ce"`` (a recorded call, ``ops/_record.py``),
+``"overlap via torch"``, ``"replayed via ce"`` (a recorded call, ``ops/record.py``),
 ``"updated via ce"`` (a recorded call at new addresses, its graph updated) or
 ``"plain: <reason>"``. ``overlap.stats()`` returns the counts since the last reset.
 
@@ -24,7 +24,7 @@ from collections import Counter
 _log = logging.getLogger("overlap")
 _counts: dict[str, Counter] = {}
 _noticed: set[tuple[str, str]] = set()
-# the starts of plain-path reasons that the user can change (overlap/plan/ and ops/_engine.py)
+# the starts of plain-path reasons that the user can change (overlap/plan/ and ops/engine.py)
 _NOTICED = ("CPU tensors", "small product", "the Triton interpreter")
 
 

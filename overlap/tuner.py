@@ -40,8 +40,7 @@ import torch.distributed as dist
 
 from . import comm, guard
 from .context import set_tuned, tuned_key
-from .ops import all_gather_matmul, matmul_collective
-from .ops._checks import capturing, check_operands
+from .ops import all_gather_matmul, capturing, check_operands, matmul_collective
 from .plan import MAX_CHUNKS
 
 _TRANSPORT_VARS = ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "NCCL_P2P_LEVEL", "NCCL_NET")

@@ -2,7 +2,7 @@
 (test_transport.py: the copy engines; test_sim_nccl.py: NCCL per chunk, the all-gather's
 consumer and the uneven exchanges).
 
-The library's own orchestration (``overlap.ops._engine.overlapped`` and ``_gathered``,
+The library's own orchestration (``overlap.ops.engine.overlapped`` and ``_gathered``,
 ``exchange.split_forward`` and ``dispatch_forward``, the embedding bags) is called as on a
 GPU, with these stand-ins (``install``):
 

@@ -25,7 +25,7 @@ def _grads(rank, R, seed):
                 msg = check_grad_case(rank, R, "cpu", case, seed + i, chunks=chunks)
                 failures += [msg] if msg else []
     # The reduce-scatter's input gradient (an all-gather) on the plain path, as overlap.tune
-    # may choose: the weight gradient then comes after that call (``_engine.run_before``), not
+    # may choose: the weight gradient then comes after that call (``engine.run_before``), not
     # inside it as on the overlapped path above.
     key = tuned_key(None, 64, 0, 48, torch.float32, "all_gather")
     set_tuned(key, "plain")

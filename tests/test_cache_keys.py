@@ -1,12 +1,12 @@
 """Cache keys: every field that changes a call's result is in its key.
 
-- The calls' memo (``context.calls``, keyed by ``ops._record.signature`` in
-  ``ops._engine.decide``): on 2 gloo ranks, calls that differ from a first one in one field
+- The calls' memo (``context.calls``, keyed by ``ops.record.signature`` in
+  ``ops.engine.decide``): on 2 gloo ranks, calls that differ from a first one in one field
   only (dtype, M, K, N, chunks, backend, collective, group and its world size, a tuned choice
   for another group of the same size)
   each get the plan a fresh process makes (the cache forgotten), which differs from the first
   call's; and a real call after another of another dtype computes right.
-- The recorded calls' key (``ops._record.signature`` and ``outputs``): every argument, the
+- The recorded calls' key (``ops.record.signature`` and ``outputs``): every argument, the
   caller stream, the weight's address, and the input's and outputs' dtypes, shapes, strides
   and alignment, but not their addresses (the graph is rebound to them), tried
   here on CPU tensors seen as CUDA ones (only CUDA calls are recorded); the calls themselves
@@ -25,8 +25,8 @@ from _dist import TOL, mismatch, spawn
 import overlap
 from overlap import guard
 from overlap.context import forget, set_tuned, tuned_key
-from overlap.ops import _record
-from overlap.ops._engine import decide
+from overlap.ops import record
+from overlap.ops.engine import decide
 
 BASE = dict(M=256, K=40, N=48, dtype=torch.float32, collective="all_reduce", chunks=4,
             backend="torch")  # fmt: skip
@@ -90,7 +90,7 @@ def _plans(rank, R, seed):
                         f"  {fresh}")  # fmt: skip
     set_tuned(key, None)
     for group in (pair, None):
-        sig = _record.signature(name, group, "sum", backend, None, x, w)
+        sig = record.signature(name, group, "sum", backend, None, x, w)
         ctx = decide(x, w, name, group, None, backend, False, sig).ctx
         if ctx.group is not (group if group is not None else dist.group.WORLD):  # (None: the
             # default group of the moment, guard.default)
@@ -131,7 +131,7 @@ def test_record_signature_has_every_field(monkeypatch):
     have different keys: a replay of another's graph would read the old input (a new
     activation at a new address), with the old strides, or do the old call."""
     stream = [7]
-    monkeypatch.setattr(_record, "current_raw_stream", lambda device: stream[0])
+    monkeypatch.setattr(record, "current_raw_stream", lambda device: stream[0])
     M, K, N = 6, 4, 5
     buf = torch.randn(M * K)  # x's memory, read as [M, K] in two layouts
     wbuf = torch.randn(K * N)
@@ -143,7 +143,7 @@ def test_record_signature_has_every_field(monkeypatch):
     args = ("all_reduce", None, "sum", "ce", 4)
 
     def sig(*a, x=x, w=w):
-        return _record.signature(*(a or args), _AsCuda(x), _AsCuda(w))
+        return record.signature(*(a or args), _AsCuda(x), _AsCuda(w))
 
     base = sig()
     variants = {
@@ -158,8 +158,8 @@ def test_record_signature_has_every_field(monkeypatch):
         "w's address": sig(w=w.clone()),
         "w's strides": sig(w=w_t),
         "w's shape": sig(w=wbuf.view(K // 2, 2 * N)),
-        "x's device": _record.signature(*args, _AsCuda(x, 1), _AsCuda(w)),
-        "w's device": _record.signature(*args, _AsCuda(x), _AsCuda(w, 1)),
+        "x's device": record.signature(*args, _AsCuda(x, 1), _AsCuda(w)),
+        "w's device": record.signature(*args, _AsCuda(x), _AsCuda(w, 1)),
     }
     stream[0] = 8
     variants["caller stream"] = sig()
@@ -171,24 +171,24 @@ def test_record_signature_has_every_field(monkeypatch):
     assert sig(x=half.view(M, K)) != sig(x=bf16.view(M, K)), "x's dtype is not in the signature"
     assert sig(x=x.clone()) == base, "x's address is in the key: a moved input never replays"
     out = torch.empty(M, N)
-    assert _record.outputs(out.clone()) == _record.outputs(out)  # (rebound: ops/_rebind.py)
+    assert record.outputs(out.clone()) == record.outputs(out)  # (rebound: ops/_rebind.py)
     outs = {
-        "alignment": _record.outputs(torch.empty(M * N + 1)[1:].view(M, N)),
-        "strides": _record.outputs(torch.empty(N, M).t()),
-        "shape": _record.outputs(out.view(N, M)),
-        "dtype": _record.outputs(out.view(torch.int32)),
+        "alignment": record.outputs(torch.empty(M * N + 1)[1:].view(M, N)),
+        "strides": record.outputs(torch.empty(N, M).t()),
+        "shape": record.outputs(out.view(N, M)),
+        "dtype": record.outputs(out.view(torch.int32)),
     }
     for what, key in outs.items():
-        assert key != _record.outputs(out), f"the output's {what} is not in the key"
+        assert key != record.outputs(out), f"the output's {what} is not in the key"
 
 
 def test_record_signature_none_in_validation_mode():
     """Validation mode keeps nothing: no key."""
     x, w = torch.randn(4, 3), torch.randn(3, 2)
-    assert _record.signature("all_reduce", None, "sum", "ce", 4, x, w) is not None
+    assert record.signature("all_reduce", None, "sum", "ce", 4, x, w) is not None
     guard.configure(validate=True)
     try:
-        assert _record.signature("all_reduce", None, "sum", "ce", 4, x, w) is None
+        assert record.signature("all_reduce", None, "sum", "ce", 4, x, w) is None
     finally:
         guard.configure(validate=False)
 

@@ -1121,7 +1121,7 @@ def _moving(rank, R, seed, device="cuda"):
     outputs poisoned with NaN, earlier inputs and outputs kept alive (a graph not pointed at
     the new ones reads valid, wrong data), and every call from the fourth of a shape on
     replayed (``ops/_rebind.py``; else the case tests nothing); all-gathers the same way,
-    every call from the fourth of a record on an updated graph (``ops/_record.py``); then a
+    every call from the fourth of a record on an updated graph (``ops/record.py``); then a
     call like the replayed ones with an ``out`` that aliases ``x`` or lies on the CPU must
     raise (a record's key holds no address or device of its outputs). ``device="cpu"``: the
     same calls on CPU ranks, not recorded (tests/test_cache_keys.py)."""
@@ -1161,7 +1161,7 @@ def _moving(rank, R, seed, device="cuda"):
     for dtype in (torch.float32, torch.bfloat16) if cuda else (torch.float32,):
         # all-gathers (cuBLAS in their graphs: not rebound) at new addresses at every call,
         # with and without x_full in turn (two records): a record's third address set takes a
-        # new graph, its fourth on updates the graph of the last but one (``_record.py``)
+        # new graph, its fourth on updates the graph of the last but one (``record.py``)
         m, K, N = (512, 256, 384) if cuda else (16, 24, 16)
         ws = torch.randn(R, K, N, generator=g).to(dtype)
         w = ws[rank].to(dev)

@@ -68,6 +68,24 @@ def test_layers_import_what_they_may():
         assert not {n for n in graph[m] if n.startswith("torch.distributed")}, m
 
 
+def test_nothing_outside_ops_imports_its_private_modules():
+    """``overlap.ops._*`` are the ops' own: the rest of the package and the tools import what
+    ``overlap.ops`` exports, or its public modules (``engine``, ``record``)."""
+    tools = PKG.parent / "tools"
+    paths = [p for p in PKG.rglob("*.py") if p.parent.name != "ops"] + list(tools.glob("*.py"))
+    for path in paths:
+        source = path.read_text()
+        names = _imports(path) if path.is_relative_to(PKG) else set()
+        tree = ast.parse(source)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+            elif isinstance(node, ast.Import):
+                names |= {a.name for a in node.names}
+        bad = {n for n in names if n.startswith("overlap.ops._")}
+        assert not bad, f"{path.relative_to(PKG.parent)} imports {bad}"
+
+
 def test_no_import_cycles():
     graph = _graph()
     state: dict[str, int] = {}

@@ -1,4 +1,4 @@
-"""The plain path's fast lane (``ops._engine.plain_again``): an eager call without ``out`` or
+"""The plain path's fast lane (``ops.engine.plain_again``): an eager call without ``out`` or
 autograd whose signature the calls' memo holds with the plain path runs ``x @ w`` and the
 collective without the argument checks or the decision (so that the plain path's host time
 stays near torch's own).
@@ -24,7 +24,7 @@ import torch.distributed as dist
 from _dist import TOL, mismatch, spawn
 
 import overlap
-from overlap.ops import _engine, _record, dense
+from overlap.ops import dense, engine, record
 
 OPS = ("all_reduce", "reduce_scatter", "all_to_all")
 
@@ -121,7 +121,7 @@ def test_checks_after_a_memo_hit():
         finally:
             overlap.configure(validate=False)
         assert entered[0] == 1  # validation mode: the full way
-        assert _engine.plain_again(x, w, "all_reduce", None, "sum", "auto", 2, "t")[0] is not None
+        assert engine.plain_again(x, w, "all_reduce", None, "sum", "auto", 2, "t")[0] is not None
         x3 = torch.randn(2, 4, 16)
         for _ in range(2):  # the full way, then the short one: [M, N] at world size 1 too
             got = overlap.matmul_reduce_scatter(x3, w)
@@ -132,7 +132,7 @@ def test_checks_after_a_memo_hit():
 def _overlapped_once(rank, R, seed):
     """Eager overlapped calls (sum and avg, new ``x`` each): right results, one signature
     each, counted as overlapped."""
-    failures, made, orig = [], [0], _record.signature
+    failures, made, orig = [], [0], record.signature
 
     def counted(*a):
         made[0] += 1
@@ -140,7 +140,7 @@ def _overlapped_once(rank, R, seed):
 
     overlap.stats(reset=True)
     w = torch.randn(64, 32, generator=torch.Generator().manual_seed(seed))
-    _record.signature = counted
+    record.signature = counted
     try:
         for i, red in enumerate(("sum", "avg", "sum")):
             xs = [torch.randn(64, 64, generator=torch.Generator().manual_seed(seed + 10 * i + r))
@@ -151,7 +151,7 @@ def _overlapped_once(rank, R, seed):
             if msg:
                 failures.append(f"call {i} ({red}): {msg}")
     finally:
-        _record.signature = orig
+        record.signature = orig
     if made[0] != 3:
         failures.append(f"{made[0]} signatures made for 3 calls")
     paths = overlap.stats().get("matmul_allreduce", {})

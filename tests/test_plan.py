@@ -188,10 +188,10 @@ def test_plain_path_by_transport_and_link():
 
 def test_consumer_one_product_where_it_outlasts_the_transfer():
     """An all-gather's consumer multiplies the other shards in one product where this rank's
-    own product outlasts their transfer (``ops._engine._outlasts``, ``plan.gemm_outlasts``):
+    own product outlasts their transfer (``ops.engine._outlasts``, ``plan.gemm_outlasts``):
     over NVLink the 8B gate/up and the 70B projections, not the 8B q/k/v or o inputs'
     gradients; through host memory not at 8B dims (bf16, TP 2, 8192 tokens)."""
-    from overlap.ops._engine import _outlasts
+    from overlap.ops.engine import _outlasts
 
     def one(K, N, link, R=2, M=8192):
         p = make_plan(M, 1, K, world_size=R, collective="all_gather", dtype_bits=16,

@@ -1,4 +1,4 @@
-"""``ops/_record.py``'s decisions on CPU, with stand-ins for CUDA graphs and the driver: which
+"""``ops/record.py``'s decisions on CPU, with stand-ins for CUDA graphs and the driver: which
 call of a record runs eagerly, is captured, replays a graph, or updates one, as the tensors'
 addresses move. The graphs themselves, and what they compute after an update, need a GPU:
 tests/test_gpu.py (``test_recorded_moving_one_gpu``)."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from overlap import context
-from overlap.ops import _rebind, _record
+from overlap.ops import _rebind, record
 
 
 class _Graph:
@@ -45,7 +45,7 @@ def sim(monkeypatch):
     updates."""
     log, state = [], {"refuse": False, "at": None}
     monkeypatch.setattr(context, "records", context.records.__class__())
-    monkeypatch.setattr(_record, "records", context.records)
+    monkeypatch.setattr(record, "records", context.records)
 
     def captured(call, ctx, t, keep):
         call(True)
@@ -58,20 +58,20 @@ def sim(monkeypatch):
         log.append(("update", graph.at, source.at))
         graph.at = source.at
 
-    monkeypatch.setattr(_record, "_captured", captured)
+    monkeypatch.setattr(record, "_captured", captured)
     monkeypatch.setattr(_rebind, "update", update)
     ctx, key = _Ctx(), ("sig", "outputs")
 
     def call(at, rebound=False):
         state["at"] = at
-        if _record.replay(key, at) is not None:
+        if record.replay(key, at) is not None:
             return "replayed"
         ran = []
-        updated = _record.recorded(lambda capturing: ran.append(capturing), ctx, _Transport,
+        updated = record.recorded(lambda capturing: ran.append(capturing), ctx, _Transport,
                                    capturing=False, key=key, moved=(), rebound=rebound)  # fmt: skip
         return "updated" if updated else {(False,): "eager", (True,): "captured"}[tuple(ran)]
 
-    monkeypatch.setattr(_record, "bases", lambda *t: state["at"])
+    monkeypatch.setattr(record, "bases", lambda *t: state["at"])
     return call, log, state
 
 

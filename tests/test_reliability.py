@@ -84,7 +84,7 @@ def test_nan_inf_end_to_end():
 def _capture_branch(rank, R, seed):
     """The branch taken under CUDA-graph capture (forced here on CPU), calls of every
     collective between eager ones. Replays of real graphs run in test_gpu.py."""
-    import overlap.ops._engine as engine
+    import overlap.ops.engine as engine
 
     real, engine.capturing = engine.capturing, lambda t: True
     failures = []

@@ -26,7 +26,7 @@ from _sim import Comm, Context, Group, check, install, streams, two_calls
 from test_transport import _reference
 
 from overlap.comm.nccl import TorchTransport
-from overlap.ops import _engine, bags, exchange
+from overlap.ops import bags, engine, exchange
 from overlap.plan import make_plan
 
 SCHEDULES = [(0, None), (1, "comm"), (None, "caller")]  # (ahead, slow)
@@ -72,7 +72,7 @@ def test_nccl_per_chunk(collective, R, M, N, chunks, ahead, slow, monkeypatch):
 
     def issue(r, ctx, x, w, out, a, c):
         both = (a, x, c) if cover else ()
-        _engine.overlapped(x, w, out, p, None, ctx, TorchTransport, False, cover=both)
+        engine.overlapped(x, w, out, p, None, ctx, TorchTransport, False, cover=both)
         return torch.cat((out.flatten(), c.flatten()))
 
     try:
@@ -113,7 +113,7 @@ def test_nccl_all_gather_consumer(R, m, chunks, ahead, slow, monkeypatch):
     def issue(r, ctx, x, w, out, b, c):
         fulls.append(torch.full((M, K), float("nan")))
         both = (b, c) if cover else ()
-        _engine._gathered(x, w, out, fulls[-1], p, ctx, TorchTransport, False, cover=both)
+        engine._gathered(x, w, out, fulls[-1], p, ctx, TorchTransport, False, cover=both)
         return torch.cat((out.flatten(), c.flatten()))
 
     try:

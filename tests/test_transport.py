@@ -1,6 +1,6 @@
 """No devices: the copy-engine transports (``overlap/comm/peer.py``, ``host.py``) and the real
 fused GEMM kernel (Triton's interpreter) on simulated ranks (``tests/_sim.py``), driven by the
-call engine itself (``overlap.ops._engine.overlapped`` and ``_gathered``).
+call engine itself (``overlap.ops.engine.overlapped`` and ``_gathered``).
 
 The transports run unchanged against a fake CUDA driver that records every copy, flag write
 and flag wait per stream; CPU tensors stand for GPU memory (a copy is a ``memmove`` between
@@ -33,7 +33,7 @@ from overlap.collectives import COLLECTIVES
 from overlap.comm.host import HostTransport
 from overlap.comm.peer import PeerTransport, slot_bytes
 from overlap.contract import FLAGS_BYTES, SET
-from overlap.ops import _engine
+from overlap.ops import engine
 from overlap.plan import make_plan
 
 
@@ -91,7 +91,7 @@ def test_protocol_with_the_real_kernel(
     persistent programs (3 in the interpreter), each a thread of its own (``_sim.Kernels``),
     so a program that waits on a flag before counting its earlier tiles deadlocks here as
     on a GPU. With ``cover`` every call also computes a product on the caller stream between
-    the peers' tiles and its own block's (two launches, ``_engine.produce``), checked too."""
+    the peers' tiles and its own block's (two launches, ``engine.produce``), checked too."""
     sim, kernels, _ = install(monkeypatch)
     g = torch.Generator().manual_seed(R * 1000 + M + N)
     K = 16
@@ -113,7 +113,7 @@ def test_protocol_with_the_real_kernel(
 
     def issue(r, ctx, x, w, out, a, b, c):
         both = (a, b, c) if cover else ()
-        _engine.overlapped(x, w, out, p, None, ctx, type(ts[r]), False, cover=both)
+        engine.overlapped(x, w, out, p, None, ctx, type(ts[r]), False, cover=both)
         return torch.cat((out.flatten(), c.flatten()))  # (on the caller stream)
 
     try:
@@ -153,7 +153,7 @@ def test_all_gather_protocol(kind, R, m, chunks, ahead, cover, one, slow, monkey
     with ``slow``, rank 1's communication stream runs only when nothing else can, so that a
     copy of ``x_full`` that does not wait for every band reads rows still in flight."""
     sim, kernels, _ = install(monkeypatch)  # (no kernel runs: the consumer's are torch ops)
-    monkeypatch.setattr(_engine, "_outlasts", lambda *a: one)
+    monkeypatch.setattr(engine, "_outlasts", lambda *a: one)
     g = torch.Generator().manual_seed(R * 100 + m)
     K, N, M = 24, 20, R * m
     comms = streams(sim, R)
@@ -175,7 +175,7 @@ def test_all_gather_protocol(kind, R, m, chunks, ahead, cover, one, slow, monkey
 
     def issue(r, ctx, x, w, out, full, b, c):
         both = (b, c) if cover else ()
-        _engine._gathered(x, w, out, full, p, ctx, type(ts[r]), False, cover=both)
+        engine._gathered(x, w, out, full, p, ctx, type(ts[r]), False, cover=both)
         parts = [out.flatten(), full.flatten(), c.flatten() if cover else c[:0].flatten()]
         return torch.cat(parts)  # (on the caller stream)
 

@@ -61,7 +61,7 @@ from _benchrun import (
 from model_bench import DIMS, TURN, add_dims
 
 import overlap
-from overlap.ops import _engine
+from overlap.ops import engine
 
 SMALL = dict(layers=2, seq=32)
 LARGE = dict(layers=2, seq=8192)
@@ -72,16 +72,16 @@ FAMILIES = {"llama": ("LlamaConfig", "LlamaModel"), "qwen3": ("Qwen3Config", "Qw
 @contextlib.contextmanager
 def _plain_path(on: bool):
     """Every library call decided while ``on`` takes its plain path, as where
-    ``overlap.tune`` measured it fastest (``_engine.tuned``). The calls' memo keeps each
+    ``overlap.tune`` measured it fastest (``engine.tuned``). The calls' memo keeps each
     decision, keyed by the weight's address: the modes' models are alive together (distinct
     weights), so no decision crosses modes."""
-    tuned = _engine.tuned
+    tuned = engine.tuned
     if on:
-        _engine.tuned = lambda key: "plain"
+        engine.tuned = lambda key: "plain"
     try:
         yield
     finally:
-        _engine.tuned = tuned
+        engine.tuned = tuned
 
 
 def _forced(on: bool, fn):

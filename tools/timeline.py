@@ -23,7 +23,7 @@ def measure(shape: str, collective: str, chunks: int | None, out: str, backend: 
     import triton.language as tl
 
     from overlap.collectives import collective as spec
-    from overlap.ops._engine import decide, overlapped
+    from overlap.ops.engine import decide, overlapped
 
     @triton.jit
     def _stamp(ptr, i):

@@ -1,7 +1,7 @@
 """The one protocol every transport implements, and the choice of a transport for a call.
 
 A transport moves the chunks of a plan between the ranks of a group. An overlapped call
-(``overlap/ops/_engine.py``) asks it, in this order:
+(``overlap/ops/engine.py``) asks it, in this order:
 
 1. ``begin(plan, out, caller)`` on the host before the GEMM is launched and before the
    communication stream forks from the caller stream ``caller`` (on which the copy engines
@@ -89,7 +89,7 @@ def same_need(group: dist.ProcessGroup | None, nbytes: int, payload=None) -> lis
 class Transport:
     """Base of every transport: the protocol above, and the capabilities it declares.
 
-    The call engine (``overlap/ops/_engine.py``) and ``comm.select`` ask these class
+    The call engine (``overlap/ops/engine.py``) and ``comm.select`` ask these class
     attributes, never a transport's name:
 
     - ``name``: the label plans and messages show ("torch", "cupy", "ce");
@@ -103,11 +103,11 @@ class Transport:
       stream, whose buffers an eager call sizes: a call captured in a CUDA graph needs
       ``fits`` (a capture cannot grow them), and calls of two streams are serialized;
     - ``recorded``: a repeated eager call is recorded into a CUDA graph and replayed
-      (``overlap/ops/_record.py``);
+      (``overlap/ops/record.py``);
     - ``watched``: with validation off, ``guard.watchdog`` watches its calls in flight (torch
       watches its own collectives). Such a transport has ``group`` and ``device``;
     - ``covers``: the backward's weight gradient is issued inside its calls, where the caller
-      stream would wait for the transfers (``_engine.produce``'s ``cover``); False GPU to
+      stream would wait for the transfers (``engine.produce``'s ``cover``); False GPU to
       GPU, where a transfer outlasts its GEMM by ~0.1 ms at most and the cover's cuBLAS
       kernel would keep a recorded graph from being rebound (more graph updates: the model
       bench's training step 0.3-0.45 ms slower, 8B TP 2, 4x H200, 2026-11-28).

@@ -318,7 +318,7 @@ def chunked_matmul(
             in ns of the GPU's global timer, its SM and its chunk (``tools/timeline.py``).
         part: "all" the tiles, or (with an epilogue) the "peers'" blocks' or this rank's
             "own" block's alone: launched in that order with other work between, the own
-            tiles' waits for the peers' partials start after it (``_engine.produce``).
+            tiles' waits for the peers' partials start after it (``engine.produce``).
 
     Returns:
         Triton's compiled kernel (``n_regs``, ``n_spills``, ``asm``: for tools); None in

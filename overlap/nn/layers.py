@@ -56,14 +56,13 @@ import torch.distributed as dist
 from torch import nn
 
 from ..context import check_group
-from ..ops import all_gather_matmul, matmul_allreduce, matmul_reduce_scatter
-from ..ops._checks import world
+from ..ops import all_gather_matmul, matmul_allreduce, matmul_reduce_scatter, world
 from ..ops.dense import matmul_allreduce_stacked
 
 
 def _rank_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
     """This rank's index in ``group`` and its size; ``(0, 1)`` without a process group (and
-    ``RuntimeError`` there under a launcher that set ``WORLD_SIZE`` > 1: ``ops._checks.world``)."""
+    ``RuntimeError`` there under a launcher that set ``WORLD_SIZE`` > 1: ``ops.world``)."""
     R = world(group)
     return (dist.get_rank(group), R) if dist.is_available() and dist.is_initialized() else (0, 1)
 

@@ -1,4 +1,4 @@
-"""A recorded call's CUDA graph pointed at another call's tensors (``_record``).
+"""A recorded call's CUDA graph pointed at another call's tensors (``record``).
 
 A graph holds the addresses of the tensors it was captured with. Activations move from call
 to call (a training step frees and makes them in an order that depends on what ran before),
@@ -31,7 +31,7 @@ GEMM kernel, fills of its own counters, copies, stream memory operations on the 
 flags) are bound, and the GPU tests move every tensor they can.
 
 A graph that cannot be bound is pointed at other tensors by the driver instead (``update``,
-``cuGraphExecUpdate`` from a capture of the call for them: ``_record.py``).
+``cuGraphExecUpdate`` from a capture of the call for them: ``record.py``).
 
 The driver is called through ctypes: the parameters are raw bytes (cuda-python's structs
 cannot hold a kernel's parameter buffer or a tensor map as bytes).

@@ -1,5 +1,5 @@
 """The matmul + collective family: ``x @ w`` followed by an all-reduce, reduce-scatter or
-all-to-all, overlapped chunk by chunk (``_engine.run_after``), with its custom op, fake and
+all-to-all, overlapped chunk by chunk (``engine.run_after``), with its custom op, fake and
 backward.
 
 Shapes (R = world size of ``group``; ``x`` is ``[..., K]`` and ``M`` is the product of its leading
@@ -30,7 +30,7 @@ from . import exchange
 from ._autograd import call, custom_op, differentiable
 from ._checks import check_operands, check_splits, group_of, name_of, via_op, world
 from ._columns import joined, stacked
-from ._engine import plain_again, run_after, run_before
+from .engine import plain_again, run_after, run_before
 
 
 def matmul_collective(
@@ -246,7 +246,7 @@ def _backward_op(
     whose gathered ``g`` gives ``dw = x^T g_full``; the all-gather's is
     ``matmul_reduce_scatter(g, w^T)`` (plus the reduce-scatter of ``g_x``). Where both are
     needed, ``dx``'s call computes ``dw`` too, at the point where it would otherwise wait for
-    its transfers (its ``cover``: ``_engine.produce``, ``consume``): without P2P the transfer
+    its transfers (its ``cover``: ``engine.produce``, ``consume``): without P2P the transfer
     of a ``dx`` op outlasts its GEMM by up to ~0.8 ms at 8B dims, TP 2. Otherwise the
     product's gradient is ``Collective.backward(g)`` (plain), then ``dx = g_P w^T``,
     ``dw = x^T g_P``. ``op="avg"`` scales ``g`` by ``1 / R`` first."""

@@ -7,7 +7,7 @@ chunk-major slot layout of ``plan.band_rows`` (chunk ``c``: band ``c`` of every 
 event after each; a transport that declares ``uneven`` (``comm.select_uneven``: NCCL per
 chunk) sends each chunk once its event has passed (``Transport.run_splits``). The dispatch is
 the mirror: the exchange first, each received band multiplied once its event has passed.
-Plans: ``plan.SplitPlan`` (``_engine.split_plan``).
+Plans: ``plan.SplitPlan`` (``engine.split_plan``).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from ._checks import (
     via_op,
     world,
 )
-from ._engine import how, split_plan
+from .engine import how, split_plan
 
 
 def split_forward(x, w, group, out, backend, chunks, sends, receives, runs, label: str):

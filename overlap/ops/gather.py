@@ -1,5 +1,5 @@
 """``all_gather_matmul``: the all-gather before the matmul, overlapped chunk by chunk
-(``_engine.run_before``), with its custom op; its backward is the matmul + reduce-scatter's
+(``engine.run_before``), with its custom op; its backward is the matmul + reduce-scatter's
 (``dense._backward_op``)."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import torch.distributed as dist
 from ._autograd import call, custom_op, differentiable
 from ._checks import check_operands, group_of, needs_grad, via_op, world
 from ._columns import joined, side_by_side
-from ._engine import run_before
 from .dense import _backward_op
+from .engine import run_before
 
 Product = torch.Tensor | list[torch.Tensor]  # one weight's product, or a list's products
 
