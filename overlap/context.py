@@ -7,19 +7,20 @@
 - the transports the calls of this stream used, by class (``transport``; made by
   ``comm.make``).
 
-A ``sized`` transport (the copy engines) is one per (group, device), shared by the contexts
-of every stream (``comm.make``): calls of two streams would write the same buffers, so an
-eager call on another stream than the last one first waits for that stream (``transport``);
-captured calls cannot wait on eager work, so a graph's replays must not run beside the
-group's calls on other streams. Per group: the chunk counts ``overlap.tune`` chose
-(``tuned``).
+The contexts live in the group's state on the device (``overlap/state.py``), with what the
+group's contexts share: a ``sized`` transport (the copy engines, the latency all-reduce) is
+one per (group, device), shared by the contexts of every stream (``comm.make``): calls of two
+streams would write the same buffers, so an eager call on another stream than the last one
+first waits for that stream (``transport``); captured calls cannot wait on eager work, so a
+graph's replays must not run beside the group's calls on other streams. There too: the chunk
+counts ``overlap.tune`` chose (``tuned``).
 
 Lifetime: until ``release(group)``, which every rank of the group calls at the same point of
 the program with no call of the group in flight; it waits for the device, frees the
-transports' buffers (symmetric memory, pinned host memory) and forgets the group's
-contexts, communicators and road. A later call starts afresh (a collective on first use, as
-the very first call). At most ``MAX_CONTEXTS`` contexts live at once (torch's stream pools
-keep the caller streams few); more raise ``RuntimeError``.
+transports' buffers (symmetric memory, pinned host memory) and drops the group's states
+(contexts, communicators, road, tuned choices). A later call starts afresh (a collective on
+first use, as the very first call). At most ``MAX_CONTEXTS`` contexts live at once (torch's
+stream pools keep the caller streams few); more raise ``RuntimeError``.
 """
 
 from __future__ import annotations
@@ -31,9 +32,10 @@ import torch.distributed as dist
 
 from . import comm
 from .comm import Transport, kept
-from .guard import default, watchdog
+from .guard import watchdog
 from .plan import MAX_CHUNKS
 from .signal import current_raw_stream
+from .state import GroupState, drop, state, states
 
 MAX_CONTEXTS = 256
 
@@ -41,9 +43,9 @@ MAX_CONTEXTS = 256
 class Context:
     """The state of one (group, device, caller stream); made by ``context``."""
 
-    def __init__(self, group: dist.ProcessGroup | None, device: torch.device) -> None:
-        self.group, self.device = group, device
-        self.rank = dist.get_rank(group)  # (asking torch costs host time at every call)
+    def __init__(self, s: GroupState, device: torch.device) -> None:
+        self.state, self.group, self.device = s, s.group, device
+        self.rank = dist.get_rank(self.group)  # (asking torch costs host time at every call)
         self.comm_stream: torch.cuda.Stream | None = None  # None on CPU
         self.caller: torch.cuda.Stream | None = None  # the stream this context serves
         if device.type == "cuda":
@@ -75,10 +77,10 @@ class Context:
             raise RuntimeError(f"overlap: the {t.name!r} transport of this group was aborted: "
                                f"{t.broken}")  # fmt: skip
         if cls.sized and not capturing:
-            last = _users.get(t)
+            last = self.state.users.get(t)
             if last is not None and last is not self:
                 self.caller.wait_stream(last.caller)  # its calls are done with the buffers
-            _users[t] = self
+            self.state.users[t] = self
         return t
 
     @property
@@ -87,16 +89,15 @@ class Context:
         return sum(t.nbytes for t in self._transports.values())
 
     def close(self) -> None:
-        """Free the transports' buffers (no call may be in flight)."""
+        """Free this context's own transports (no call may be in flight); the shared ones
+        are the group state's (``release``)."""
         for t in self._transports.values():
-            watchdog.forget(t)
-            t.close()
+            if not t.sized:
+                watchdog.forget(t)
+                t.close()
         self._transports.clear()
 
 
-_contexts: dict[tuple, Context] = {}  # (group, device, caller stream handle) -> Context
-_users: dict[Transport, Context] = {}  # sized transport -> the context that used it last
-_tuned: dict[tuple, int | str] = {}  # (group, M, N, K, dtype, collective) -> overlap.tune's
 # What an eager call's arguments were decided to run (ops/engine.py ``Known``), by the call's
 # signature (ops/record.py): kept once a call passed the checks and was planned, forgotten when
 # the road, the tuned choices or the transports' buffers change.
@@ -113,24 +114,28 @@ def forget() -> None:
     records.clear()
 
 
-def tuned_key(group, M: int, N: int, K: int, dtype: torch.dtype, collective: str) -> tuple:
-    """The key of ``tuned``: calls of any context of ``group`` with these shapes share it (the
-    group's object, None resolved: a name comes back for another group after
-    ``destroy_process_group``)."""
-    return (default(group), M, N, K, str(dtype), collective)
+def tuned_key(M: int, N: int, K: int, dtype: torch.dtype, collective: str) -> tuple:
+    """The key of a group's ``tuned`` choices: calls of any of its contexts with these shapes
+    share it."""
+    return (M, N, K, str(dtype), collective)
 
 
-def tuned(key: tuple) -> int | str | None:
-    """What ``overlap.tune`` chose for calls of ``key`` (``tuned_key``), or None."""
-    return _tuned.get(key) if _tuned else None
+def tuned(ctx: Context, key: tuple) -> int | str | None:
+    """What ``overlap.tune`` chose for calls of ``key`` (``tuned_key``) in ``ctx``'s group on
+    its device, or None."""
+    return ctx.state.tuned.get(key)
 
 
-def set_tuned(key: tuple, choice: int | str | None) -> None:
-    """Record ``overlap.tune``'s ``choice`` (a chunk count or "plain"; None forgets it)."""
+def set_tuned(
+    group: dist.ProcessGroup | None, device: torch.device, key: tuple, choice: int | str | None
+) -> None:
+    """Record ``overlap.tune``'s ``choice`` for ``group`` on ``device`` (a chunk count or
+    "plain"; None forgets it)."""
+    s = state(group, device)
     if choice is None:
-        _tuned.pop(key, None)
+        s.tuned.pop(key, None)
     else:
-        _tuned[key] = choice
+        s.tuned[key] = choice
     forget()
 
 
@@ -141,18 +146,22 @@ def context(group: dist.ProcessGroup | None, device: torch.device) -> Context:
     Raises:
         RuntimeError: ``MAX_CONTEXTS`` contexts exist already.
     """
-    group = default(group)
+    s = state(group, device)
     stream = current_raw_stream(device) if device.type == "cuda" else 0
-    key = (group, str(device), stream)
-    ctx = _contexts.get(key)
+    ctx = s.contexts.get(stream)
     if ctx is None:
-        if len(_contexts) >= MAX_CONTEXTS:
+        if sum(len(t.contexts) for t in states()) >= MAX_CONTEXTS:
             raise RuntimeError(
                 f"{MAX_CONTEXTS} overlap contexts (one per group, device and caller stream) "
                 "exist already; call overlap.release(group) for groups no longer used"
             )
-        ctx = _contexts[key] = Context(group, device)
+        ctx = s.contexts[stream] = Context(s, device)
     return ctx
+
+
+def contexts() -> list[Context]:
+    """Every context kept now (tests and tools look at their transports)."""
+    return [ctx for s in states() for ctx in s.contexts.values()]
 
 
 def check_group(group) -> None:
@@ -184,14 +193,13 @@ def release(group: dist.ProcessGroup | None = None) -> None:
             is not a member of it (``check_group``).
     """
     check_group(group)
-    group = default(group)
-    mine = [k for k in _contexts if k[0] is group]
-    for device in {k[1] for k in mine if k[1].startswith("cuda")}:
+    mine = drop(group)
+    for device in {s.device for s in mine if s.device.startswith("cuda")}:
         torch.cuda.synchronize(device)
     forget()  # (before the buffers the recorded graphs use are freed)
-    for k in mine:
-        _contexts.pop(k).close()
-    for t in comm.forget(group):
-        _users.pop(t, None)
-    for k in [k for k in _tuned if k[0] is group]:
-        del _tuned[k]
+    for s in mine:
+        for ctx in s.contexts.values():
+            ctx.close()
+        for t in s.shared.values():
+            watchdog.forget(t)
+            t.close()

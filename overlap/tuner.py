@@ -181,7 +181,7 @@ def tune(
     road = comm.road(group, x.device, False) if x.is_cuda else None  # (asked once per group)
     key = _cache_key(x, M, N, K, R, collective, count_host, road)
     # (the all-gather's plan does not depend on N, so neither does its tuned choice)
-    rkey = tuned_key(group, M, 0 if before else N, K, x.dtype, collective)
+    rkey = tuned_key(M, 0 if before else N, K, x.dtype, collective)
     path = cache_path()
     mine = (collective, str(x.dtype), M, 0 if before else N, K, list(candidates), iters,
             use_cache, count_host)  # fmt: skip
@@ -199,7 +199,7 @@ def tune(
     else:
         medians = []
         # "plain" is timed through the tuned choices (calls with chunks=None consult them)
-        set_tuned(rkey, "plain")
+        set_tuned(group, x.device, rkey, "plain")
         try:
             for c in candidates:
                 chunks = None if c == "plain" else c
@@ -215,7 +215,7 @@ def tune(
                 times = [max(s) if count_host else s[0] for s in samples]
                 medians.append(statistics.median(times))
         finally:
-            set_tuned(rkey, None)
+            set_tuned(group, x.device, rkey, None)
         t = torch.tensor(medians, dtype=torch.float64, device=x.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)  # identical on every rank
         ms = {str(c): v for c, v in zip(candidates, t.tolist(), strict=True)}
@@ -223,5 +223,5 @@ def tune(
         result = Tuned(choice, ms, "measured")
         if use_cache and dist.get_rank(group) == 0:
             _write_cache(path, key, {"choice": choice, "ms": ms, "date": time.strftime("%F")})
-    set_tuned(rkey, result.choice)
+    set_tuned(group, x.device, rkey, result.choice)
     return result

@@ -27,14 +27,14 @@ def _grads(rank, R, seed):
     # The reduce-scatter's input gradient (an all-gather) on the plain path, as overlap.tune
     # may choose: the weight gradient then comes after that call (``engine.run_before``), not
     # inside it as on the overlapped path above.
-    key = tuned_key(None, 64, 0, 48, torch.float32, "all_gather")
-    set_tuned(key, "plain")
+    key = tuned_key(64, 0, 48, torch.float32, "all_gather")
+    set_tuned(None, torch.device("cpu"), key, "plain")
     overlap.stats(reset=True)
     try:
         case = ("reduce_scatter", torch.float32, (64, 40, 48), "sum")
         msg = check_grad_case(rank, R, "cpu", case, seed + 99, chunks=2)
     finally:
-        set_tuned(key, None)
+        set_tuned(None, torch.device("cpu"), key, None)
     paths = overlap.stats(reset=True).get("all_gather_matmul", {})
     if not any("overlap.tune" in path for path in paths):
         msg = f"the backward's all-gather did not take the tuned plain path: {paths}"

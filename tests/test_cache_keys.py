@@ -78,8 +78,8 @@ def _plans(rank, R, seed):
     # another group of the same size: the same plan unless overlap.tune chose for one group
     # (its table is keyed by group), and that group's context
     x, w, name, _, _, backend = args(BASE)
-    key = tuned_key(pair, x.shape[0], w.shape[1], x.shape[1], x.dtype, name)
-    set_tuned(key, 8)  # (forgets the plans)
+    key = tuned_key(x.shape[0], w.shape[1], x.shape[1], x.dtype, name)
+    set_tuned(pair, x.device, key, 8)  # (forgets the plans)
     p_first = plan(x, w, name, None, None, backend)
     got = plan(x, w, name, pair, None, backend)
     forget()
@@ -88,7 +88,7 @@ def _plans(rank, R, seed):
         failures.append(f"overlap.tune's choice for another group: after a call of plan\n"
                         f"  {p_first}\nthe call got\n  {got}\nwhere a fresh process makes\n"
                         f"  {fresh}")  # fmt: skip
-    set_tuned(key, None)
+    set_tuned(pair, x.device, key, None)
     for group in (pair, None):
         sig = record.signature(name, group, "sum", backend, None, x, w)
         ctx = decide(x, w, name, group, None, backend, False, sig).ctx

@@ -682,7 +682,7 @@ def _host_road_one_gpu(rank, R, seed):
     only: others fall back to the group's collectives, and gloo has no all-to-all."""
     import overlap
     from overlap.comm import HostTransport
-    from overlap.context import _contexts
+    from overlap.context import contexts
 
     torch.cuda.set_device(0)
     failures = []
@@ -697,15 +697,15 @@ def _host_road_one_gpu(rank, R, seed):
         msg = check_case(rank, R, "cuda:0", coll, torch.bfloat16, (1024, 256, 768), seed + 99,
                          backend="ce", chunks=2, specials=True)  # fmt: skip
         failures += [msg] if msg else []
-    roads = [type(_ce(c)).__name__ for c in _contexts.values()]
+    roads = [type(_ce(c)).__name__ for c in contexts()]
     if not roads or any(r != HostTransport.__name__ for r in roads):
         failures.append(f"transports of the calls' contexts: {roads}, expected the host road")
     # overlap.release frees the pinned shared memory and the device slots; calls go on after
-    transports = [_ce(c) for c in _contexts.values() if _ce(c) is not None]
+    transports = [_ce(c) for c in contexts() if _ce(c) is not None]
     if not all(t.nbytes > 0 for t in transports):
         failures.append("a host-road transport holds no memory after its calls")
     overlap.release()
-    if _contexts or any(t.mapping is not None or t.nbytes for t in transports):
+    if contexts() or any(t.mapping is not None or t.nbytes for t in transports):
         failures.append("overlap.release kept a context or a transport's memory")
     msg = check_case(rank, R, "cuda:0", "all_reduce", torch.bfloat16, (1024, 256, 768),
                      seed + 200, backend="ce", chunks=2)  # fmt: skip
@@ -736,9 +736,9 @@ def _compile_one_gpu(rank, R, seed):
         case = ("all_reduce", dtype, shape, "sum")
         msg = check_grad_case(rank, R, "cuda:0", case, seed + i, chunks=4, call=call)
         failures += [msg] if msg else []
-    from overlap.context import _contexts
+    from overlap.context import contexts
 
-    if not any(_ce(c) is not None for c in _contexts.values()):
+    if not any(_ce(c) is not None for c in contexts()):
         failures.append("no call went through the copy engines")
     return failures
 
@@ -923,7 +923,7 @@ def _graph_host_road_one_gpu(rank, R, seed, replays=10_000):
     both ranks seed alike, so each rank computes every rank's product itself (gloo cannot
     reduce CUDA tensors inside a check)."""
     import overlap
-    from overlap.context import _contexts
+    from overlap.context import contexts
 
     torch.cuda.set_device(0)
     dev = torch.device("cuda", 0)
@@ -977,7 +977,7 @@ def _graph_host_road_one_gpu(rank, R, seed, replays=10_000):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         calls()
-    captured = [{cls.name for cls in c._transports} for c in _contexts.values()]
+    captured = [{cls.name for cls in c._transports} for c in contexts()]
     if any(t != {"ce"} for t in captured):
         failures.append(f"transports used by the contexts: {captured}, expected only 'ce'")
     for i in range(replays):

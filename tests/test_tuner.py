@@ -118,7 +118,7 @@ def test_tune_refuses_graph_capture(monkeypatch):
 def _timed_apart(rank, R, cache):
     """Each rank times the candidates differently (``time_queued`` replaced): alone, rank 0
     would take 2 chunks and rank 1 3; the slowest rank's medians make it 4 on both. Then
-    ranks whose calls differ raise; then one call writes the cache for ``R`` ranks."""
+    ranks whose calls differ raise."""
     import overlap.tuner as tuner
 
     os.environ["OVERLAP_TUNE_CACHE"] = cache
@@ -145,14 +145,20 @@ def _timed_apart(rank, R, cache):
         except overlap.RankMismatchError as e:
             if "rank 0:" not in str(e) or "rank 1:" not in str(e):
                 failures.append(f"{what}: the error lacks the ranks' calls: {e}")
-    tuner.time_queued = lambda fn, device, group: (1.0, 1.0)
-    overlap.tune(x, w, "all_to_all", candidates=(2,), iters=1)  # (cached for R ranks)
     return failures
 
 
+def _cached(rank, R, cache):
+    """One call tuned, so that the cache has its entry for ``R`` ranks."""
+    os.environ["OVERLAP_TUNE_CACHE"] = cache
+    x, w = torch.randn(96, 40), torch.randn(40, 64)
+    overlap.tune(x, w, "all_to_all", candidates=(2,), iters=1)
+    return []
+
+
 def _other_world(rank, R, cache):
-    """The same call as ``_timed_apart``'s last, on ``R`` ranks: not the cache's entry for 2
-    ranks; the second time from the cache (or the check above is void)."""
+    """The call of ``_cached`` on ``R`` ranks: not the cache's entry for 2 ranks; the second
+    time from the cache (or the check above is void)."""
     os.environ["OVERLAP_TUNE_CACHE"] = cache
     x, w = torch.randn(96, 40), torch.randn(40, 64)
     sources = [overlap.tune(x, w, "all_to_all", candidates=(2,), iters=1).source
@@ -160,45 +166,54 @@ def _other_world(rank, R, cache):
     return [] if sources == ["measured", "cache"] else [f"rank {rank}: sources {sources}"]
 
 
-def test_ranks_timed_apart_agree_and_the_cache_keys_the_world_size():
+def test_ranks_timed_apart_agree():
+    with tempfile.TemporaryDirectory() as d:
+        spawn(_timed_apart, 2, os.path.join(d, "tuned.json"))
+
+
+def test_the_cache_keys_the_world_size():
     with tempfile.TemporaryDirectory() as d:
         cache = os.path.join(d, "tuned.json")
-        spawn(_timed_apart, 2, cache)
+        spawn(_cached, 2, cache)
         spawn(_other_world, 3, cache)
 
 
 def _release_forgets_the_default_group(rank, R, seed):
     """A call and an ``overlap.tune`` of the default group (passed as None or as
-    ``dist.group.WORLD``), then ``overlap.release`` (of None or of the group): no context, no
-    tuned choice and no decided call of the group left, the next plan the default one, and
-    the next call right (against float64, its ``out`` NaN first)."""
+    ``dist.group.WORLD``; the plain path or a chunk count chosen), then ``overlap.release``
+    (of None or of the group): no context, no tuned choice and no decided call of the group
+    left, the next plan the default one, and the next call right (against float64, its
+    ``out`` NaN first)."""
     from overlap import context
+    from overlap.state import states
 
     g = torch.Generator().manual_seed(seed)
-    xs = [torch.randn(96, 40, generator=g) for _ in range(R)]
-    ws = [torch.randn(40, 64, generator=g) for _ in range(R)]
+    xs = [torch.randn(96, 32, generator=g) for _ in range(R)]
+    ws = [torch.randn(32, 32, generator=g) for _ in range(R)]
     x, w = xs[rank], ws[rank]
     ref = sum(xi.double() @ wi.double() for xi, wi in zip(xs, ws, strict=True))
-    default = overlap.plan(x, w, "all_reduce").describe()
-    forced = 3 if "3 chunks" not in default else 5
+    default = overlap.plan(x, w, "all_reduce").describe()  # (2 chunks)
+    world = dist.group.WORLD
     failures = []
-    for tuned_on, released in ((None, None), (dist.group.WORLD, None), (None, dist.group.WORLD)):
-        name = f"tune(group={tuned_on and 'WORLD'}), release({released and 'WORLD'})"
+    for tuned_on, released, choice in ((None, None, "plain"), (world, None, 3),
+                                       (None, world, "plain")):  # fmt: skip
+        name = f"tune(group={tuned_on and 'WORLD'}) to {choice}, release({released and 'WORLD'})"
         overlap.matmul_allreduce(x, w, group=tuned_on)
-        overlap.tune(x, w, "all_reduce", group=tuned_on, candidates=(forced,), iters=1,
+        overlap.tune(x, w, "all_reduce", group=tuned_on, candidates=(choice,), iters=1,
                      use_cache=False)  # fmt: skip
         if overlap.plan(x, w, "all_reduce").describe() == default:
             failures.append(f"{name}: the tuned plan is the default one: the case is void")
         overlap.release(released)
-        left = {"contexts": [k for k in context._contexts if k[0] is dist.group.WORLD],
-                "tuned choices": [k for k in context._tuned if k[0] is dist.group.WORLD],
+        kept = [s for s in states() if s.group is world]
+        left = {"contexts": [c for s in kept for c in s.contexts],
+                "tuned choices": [k for s in kept for k in s.tuned],
                 "decided calls": list(context.calls)}  # fmt: skip
         failures += [f"{name}: {what} left: {keys}" for what, keys in left.items() if keys]
         after = overlap.plan(x, w, "all_reduce").describe()
         if after != default:
             failures.append(f"{name}: the plan after release is not the default:\n{after}\n"
                             f"default:\n{default}")  # fmt: skip
-        out = torch.full((96, 64), float("nan"))
+        out = torch.full((96, 32), float("nan"))
         why = mismatch(overlap.matmul_allreduce(x, w, out=out), ref, 1e-5)
         failures += [f"{name}: the call after release: {why}"] if why else []
     return failures

@@ -34,6 +34,7 @@ from overlap.comm import TorchTransport
 from overlap.context import forget, set_tuned, tuned_key
 
 F32, F16 = torch.float32, torch.float16
+CPU = torch.device("cpu")
 _HOST = ("all_gather_object", "broadcast_object_list", "barrier")
 
 
@@ -81,13 +82,13 @@ def _mismatch_cases(rank: int) -> dict:
     kw = dict(input_split_sizes=splits, output_split_sizes=receives)
 
     def plain_on_rank1():
-        key = tuned_key(None, 256, 96, 64, F32, "all_reduce")
-        set_tuned(key, "plain" if one else None)
+        key = tuned_key(256, 96, 64, F32, "all_reduce")
+        set_tuned(None, CPU, key, "plain" if one else None)
         forget()
         try:
             mc(r(256, 64), r(64, 96))  # rank 0: the default plan (overlapped)
         finally:
-            set_tuned(key, None)
+            set_tuned(None, CPU, key, None)
             forget()
 
     def blocked(call):

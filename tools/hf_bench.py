@@ -77,7 +77,7 @@ def _plain_path(on: bool):
     weights), so no decision crosses modes."""
     tuned = engine.tuned
     if on:
-        engine.tuned = lambda key: "plain"
+        engine.tuned = lambda ctx, key: "plain"
     try:
         yield
     finally:

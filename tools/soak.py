@@ -52,7 +52,7 @@ import torch.distributed as dist
 
 import overlap
 from overlap.bench import need_gpus
-from overlap.context import _contexts, records
+from overlap.context import contexts, records
 from overlap.plan import make_split_plan
 
 SHAPES = [  # (M, K, N)
@@ -244,7 +244,7 @@ def _sample(done: int) -> dict:
     the uneven exchanges' row orders (``NcclTransport.order``, a few), the transports'
     buffers; and this process's resident host memory."""
     graphs = sum(r.graph is not None for r in records.values())
-    transports = {t for c in _contexts.values() for t in c._transports.values()}
+    transports = {t for c in contexts() for t in c._transports.values()}
     orders = sum(o.numel() * o.element_size() for t in transports
                  for o in getattr(t, "_orders", {}).values())  # fmt: skip
     with open("/proc/self/statm") as f:

@@ -4,7 +4,7 @@ host memory) and the latency all-reduce (``shot.py``), chosen and made in one pl
 (``choice.py``). No Triton here."""
 
 from . import shot
-from .choice import BACKENDS, forget, make, road, select, select_uneven, shared
+from .choice import BACKENDS, make, road, select, select_uneven, shared
 from .host import HostTransport
 from .nccl import CupyComm, CupyTransport, NcclTransport, TorchComm, TorchTransport
 from .peer import PeerTransport, route
@@ -22,7 +22,6 @@ __all__ = [
     "TorchComm",
     "TorchTransport",
     "Transport",
-    "forget",
     "kept",
     "make",
     "road",

@@ -2,14 +2,13 @@
 
 ``select`` picks a transport class for a call from what the classes declare
 (``Transport``'s capabilities) and what the group's ranks can do (``road``); ``make`` returns
-the instance a context uses; ``forget`` drops a group's communicators, copy-engine
-transports and road (``overlap.release``).
+the instance a context uses.
 
-Kept per (group, device): the road (a collective asked on the first CUDA call of the group
-outside graph capture, whatever its backend and path, so that every rank asks at the same
-call), the communicator of each NCCL transport class and the ``sized`` transports (one per
-group and device, shared by every caller stream: a call captured in a CUDA graph uses the
-buffers an eager call sized).
+Kept in the group's state on the device (``overlap/state.py``, closed by ``overlap.release``):
+the road (a collective asked on the first CUDA call of the group outside graph capture,
+whatever its backend and path, so that every rank asks at the same call), the communicator of
+each NCCL transport class and the ``sized`` transports (one per group and device, shared by
+every caller stream: a call captured in a CUDA graph uses the buffers an eager call sized).
 """
 
 from __future__ import annotations
@@ -18,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .. import guard
+from ..state import UNASKED, state
 from .host import HostTransport
 from .nccl import CupyTransport, NcclTransport, TorchTransport
 from .peer import PeerTransport, route
@@ -27,23 +27,19 @@ BACKENDS = ("auto", "torch", "cupy", "ce")
 _NAMED: dict[str, type[Transport]] = {"torch": TorchTransport, "cupy": CupyTransport}
 _ENGINES = (PeerTransport, HostTransport)  # the copy engines, by road
 
-_roads: dict[tuple, str | None] = {}  # (group, device) -> route's answer
-_comms: dict[tuple, object] = {}  # (group, device, class) -> communicator
-_shared: dict[tuple, Transport] = {}  # (group, device, class) -> a `sized` transport
-
 
 def road(group: dist.ProcessGroup | None, device: torch.device, capturing: bool) -> str | None:
     """``route``'s answer for ``group`` on the CUDA ``device``: a collective the first time
     (while ``capturing``, which cannot ask: the answer known, or None), which validation mode
     precedes with an agreement (a rank that never arrives raises ``TimeoutError`` there)."""
-    key = (guard.default(group), str(device))
-    if key not in _roads:
+    s = state(group, device)
+    if s.road == UNASKED:
         if capturing:
             return None
         if guard.validating():  # every rank there first: the collective has no timeout
             guard.agree(group, "road", "the group's first CUDA call asks which road it has")
-        _roads[key] = route(group, device)
-    return _roads[key]
+        s.road = route(group, device)
+    return s.road
 
 
 def select(
@@ -102,28 +98,19 @@ def select_uneven(backend: str) -> type[Transport]:
 def make(cls: type[Transport], group: dist.ProcessGroup | None, device: torch.device) -> Transport:
     """A new transport of ``cls`` for one context of ``group`` on ``device``: the group's
     shared one for ``sized`` classes, else one over the group's communicator."""
-    key = (group, str(device), cls)
+    s = state(group, device)
     if cls.sized:
-        if key not in _shared:
-            _shared[key] = cls(group, device)
-        return _shared[key]
+        if cls not in s.shared:
+            s.shared[cls] = cls(group, device)
+        return s.shared[cls]
     assert issubclass(cls, NcclTransport)
-    if key not in _comms:
-        _comms[key] = cls.comm_type(group)
-    return cls(_comms[key], group, device)
+    if cls not in s.comms:
+        s.comms[cls] = cls.comm_type(group)
+    return cls(s.comms[cls], group, device)
 
 
 def shared(
     cls: type[Transport], group: dist.ProcessGroup | None, device: torch.device
 ) -> Transport | None:
     """The group's ``sized`` transport of ``cls`` on ``device`` if one was made, else None."""
-    return _shared.get((group, str(device), cls))
-
-
-def forget(group: dist.ProcessGroup | None) -> list[Transport]:
-    """Drop ``group``'s road, communicators and shared transports; returns the transports
-    dropped (the caller closes them)."""
-    for store in (_roads, _comms):
-        for k in [k for k in store if k[0] is group]:
-            del store[k]
-    return [_shared.pop(k) for k in [k for k in _shared if k[0] is group]]
+    return state(group, device).shared.get(cls)

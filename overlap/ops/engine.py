@@ -143,7 +143,7 @@ def _decide(x, w, name, group, chunks, backend, capturing: bool):
         elif x.dtype == torch.bfloat16:
             why = f"the Triton interpreter computes bfloat16 products wrongly ({_triton()})"
     if why is None and chunks is None:
-        choice = tuned(tuned_key(group, M, N, K, x.dtype, name))  # set by overlap.tune only
+        choice = tuned(ctx, tuned_key(M, N, K, x.dtype, name))  # set by overlap.tune only
         if choice == "plain":
             why = "overlap.tune measured the plain path fastest"
         chunks = None if choice == "plain" else choice
