@@ -161,9 +161,9 @@ def _release_and_bound(rank, R, seed):
                 failures.append(f"the error does not point to overlap.release: {e}")
         ctx = octx.context(groups[0], cpu)
         overlap.release(groups[0])
-        if any(k[0] is groups[0] for k in octx._contexts) or ctx._transports:
+        if any(c.group is groups[0] for c in octx.contexts()) or ctx._transports:
             failures.append("release kept the group's context or its transports")
-        if not any(k[0] is groups[1] for k in octx._contexts):
+        if not any(c.group is groups[1] for c in octx.contexts()):
             failures.append("release dropped another group's context")
         for i, g in enumerate((groups[2], groups[0])):  # room again; a released group anew
             msg = check_case(rank, R, "cpu", "reduce_scatter", torch.float32, (64, 32, 48),
