@@ -358,6 +358,9 @@ def group_timeout(group: dist.ProcessGroup | None, device: torch.device) -> floa
         return 600.0
 
 
+RECYCLE = 0.05  # seconds between the watchdog's looks while calls are in flight
+
+
 class Watchdog:
     """Validation off: the calls in flight through the transports whose waits no one else
     watches (``Transport.watched``: the copy engines' two roads, CuPy's NCCL communicator;
@@ -381,9 +384,12 @@ class Watchdog:
     ``limit``: ``configure(timeout=)`` or ``OVERLAP_TIMEOUT`` where set, else the process
     group's own timeout (``group_timeout``, as torch's watchdog). The clock starts when the
     call is issued, as torch's does: a stream queued more than the timeout ahead of its GPU is
-    taken for a dead peer. Host cost per call: one event recorded, reused from the oldest
-    call of the transport where it is done (a new event per call of a burst, before the thread
-    recycled them, cost ~15 us of host time each on 2 H200s), and one query of it.
+    taken for a dead peer. Host cost per call: one event recorded, taken from the events of
+    finished calls, which this thread recycles every ``RECYCLE`` seconds while calls are in
+    flight (a new event per call, as in a burst before any was recycled, cost ~15 us of host
+    time each on 2 H200s). The issuing thread never queries an event: while another thread
+    captures a CUDA graph (torch's default "global" mode) that query would fail and invalidate
+    the capture; this thread queries in relaxed mode (``_relaxed``).
     """
 
     def __init__(self) -> None:
@@ -391,17 +397,13 @@ class Watchdog:
         self.limits: dict = {}  # transport -> its group's own timeout
         self.spare: list = []  # events of finished calls, recorded again
         self.thread: threading.Thread | None = None
-        self.lock = threading.Lock()  # (the issuing threads and this one pop the deques)
+        self.lock = threading.Lock()  # (issuing threads take spare events, this one adds)
 
     def issued(self, t, stream: torch.cuda.Stream, what) -> None:
         """The call ``what`` (its plan: ``describe()`` names it) was just issued through
         transport ``t`` (``t.group``, ``t.device``) on the caller ``stream``."""
-        q = self.flights.get(t)
         with self.lock:
-            if q and q[0][0].query():
-                event = q.popleft()[0]
-            else:
-                event = self.spare.pop() if self.spare else torch.cuda.Event()
+            event = self.spare.pop() if self.spare else torch.cuda.Event()
         event.record(stream)
         self.track(t, event, what)
 
@@ -430,6 +432,8 @@ class Watchdog:
         _relaxed()
         while True:
             period = min([1.0] + [self.limit(t) / 10 for t in list(self.limits)])
+            if any(self.flights.values()):
+                period = min(period, RECYCLE)
             time.sleep(period)
             try:
                 self.check(time.monotonic())

@@ -283,8 +283,9 @@ def fault_scenarios(rank: int, R: int, scenario: str, device: str) -> list[str]:
     - ``stuck_ce_off``: the same when rank 1 does not die but stops before its fourth call
       (three calls warm): a peer that hangs rather than dies.
     - ``killed_mid_call_shot_off``, ``stuck_shot_off``: the same through the latency
-      all-reduce (``comm/shot.py``: a product too small to overlap, GPU to GPU): rank 1 dies
-      before its kernel, for which rank 0's kernel waits in its barrier, or stops.
+      all-reduce (``comm/shot.py``: a product too small to overlap, GPU to GPU; 40 calls at a
+      time): rank 1 dies before its kernel, for which rank 0's kernels wait in their barriers,
+      or stops.
     - ``stuck_nccl_off``, ``killed_mid_call_nccl_off``, ``killed_mid_split_nccl_off``:
       validation off, NCCL per chunk (``backend="torch"``; an uneven exchange takes it on every
       backend but CuPy's), group timeout 8 s: torch's own watchdog ends rank 0's process (by
@@ -431,8 +432,8 @@ def _watchdog_scenario(rank: int, scenario: str, dev: str, x, w) -> list[str]:
     def call():
         if gather:
             return overlap.all_gather_matmul(x, w, chunks=4, backend="ce", group=g)
-        if shot:
-            return overlap.matmul_allreduce(x[:8], w, group=g)
+        if shot:  # (40 calls in flight: the release goes on until every one has ended)
+            return [overlap.matmul_allreduce(x[:8], w, group=g) for _ in range(40)]
         return overlap.matmul_collective(x, w, chunks=4, backend="ce", group=g)
 
     for _ in range(3 if scenario.startswith("stuck") else 1):  # (sizes the buffers: collectives)

@@ -171,6 +171,10 @@ def _shot_cases(rank, R, seed):
     out = torch.full((2, 5, 4096), float("nan"), device=dev, dtype=torch.bfloat16)
     overlap.matmul_allreduce(x, w, out=out)
     check("out=", out.view(10, 4096), x.view(10, 512), w)
+    out = torch.full((1 + 10 * 4096,), float("nan"), device=dev, dtype=torch.bfloat16)
+    out = out[1:].view(2, 5, 4096)  # (2 bytes off 16: torch's one-shot stores 16-byte vectors)
+    overlap.matmul_allreduce(x, w, out=out)
+    check("out= not 16-byte aligned", out.reshape(10, 4096), x.view(10, 512), w)
     # back to back, alternating kinds and NCCL (a product too big for the buffer)
     xs = [torch.randn(m, 1024, device=dev, dtype=torch.bfloat16, generator=gen)
           for m in (4, 2048, 1, 4096, 64)]  # fmt: skip
@@ -178,25 +182,30 @@ def _shot_cases(rank, R, seed):
     ys = [overlap.matmul_allreduce(a, w) for a in xs for _ in range(3)]
     for i, y in enumerate(ys):
         check(f"back to back #{i}", y, xs[i // 3], w)
-    # captured: the graph's replays count epochs on and read new data
+    # captured: the graph's replays read new data
     x = torch.randn(8, 1024, device=dev, dtype=torch.bfloat16, generator=gen)
     overlap.matmul_allreduce(x, w)  # (warm: the transport exists)
     s = torch.cuda.Stream(dev)
     s.wait_stream(torch.cuda.current_stream(dev))
     graph = torch.cuda.CUDAGraph()
+    before = overlap.stats().get("matmul_allreduce", {}).get("plain via one-shot", 0)
     with torch.cuda.stream(s), torch.cuda.graph(graph, stream=s):
         y1 = overlap.matmul_allreduce(x, w)
-        y2 = overlap.matmul_allreduce(y1[:, :1024].contiguous(), w)
+        x2 = y1[:, :1024].contiguous()
+        y2 = overlap.matmul_allreduce(x2, w)
+    took = overlap.stats().get("matmul_allreduce", {}).get("plain via one-shot", 0) - before
+    if took != 2:
+        failures.append(f"captured: {took} of 2 calls took the one-shot all-reduce")
     for i in range(3):
         x.copy_(torch.randn(8, 1024, device=dev, dtype=torch.bfloat16, generator=gen))
         graph.replay()
         check(f"replay {i}", y1, x, w)
+        check(f"replay {i}, the second call", y2, x2, w)
         eager = overlap.matmul_allreduce(x, w)  # an eager call between replays
         check(f"eager after replay {i}", eager, x, w)
     paths = overlap.stats().get("matmul_allreduce", {})
     if not any("one-shot" in k for k in paths) or not any("two-shot" in k for k in paths):
         failures.append(f"stats: {paths}")
-    del y2
     return failures
 
 

@@ -118,27 +118,37 @@ def test_finished_calls_are_left_alone(timeout):
     assert t.aborts == ["overlap-watchdog"] and t.broken
 
 
-def test_an_issued_call_reuses_the_oldest_finished_event(monkeypatch):
-    """``issued`` records the call on the event of the transport's oldest call where that one
-    is done (no new event per call of a burst), else on a new one; the call in flight stays
-    watched."""
+def test_an_issued_call_takes_a_spare_event_and_queries_none(monkeypatch):
+    """``issued`` records the call on an event of a finished call that the watchdog's thread
+    recycled, else on a new one, and never queries an event itself (in the issuing thread a
+    query fails while another thread captures a CUDA graph, and invalidates that capture)."""
     made: list = []
 
     class _Recorded(_Call):
         def record(self, stream) -> None:
             self.done.clear()  # (in flight again, on ``stream``)
 
+        def query(self) -> bool:
+            if threading.current_thread().name != "overlap-watchdog":
+                raise AssertionError("an event queried outside the watchdog's thread")
+            return super().query()
+
     monkeypatch.setattr(torch.cuda, "Event", lambda: made.append(_Recorded()) or made[-1])
     dog, first = guard.Watchdog(), _Recorded()
     dog.thread = threading.current_thread()  # (no thread started)
     t = _Stuck(_Call())
     dog.track(t, first, _Plan())
-    dog.issued(t, None, _Plan())  # the first call still in flight: a new event
-    assert len(made) == 1 and [e for e, *_ in dog.flights[t]] == [first, made[0]]
     first.done.set()
-    dog.issued(t, None, _Plan())  # the first is done: its event again, in flight
+    dog.issued(t, None, _Plan())  # nothing recycled yet: a new event, no query
+    assert len(made) == 1 and [e for e, *_ in dog.flights[t]] == [first, made[0]]
+    checker = threading.Thread(target=dog.check, args=(time.monotonic(),),
+                               name="overlap-watchdog")  # fmt: skip
+    checker.start()
+    checker.join()  # recycles the finished first call's event
+    assert dog.spare == [first]
+    dog.issued(t, None, _Plan())
     assert len(made) == 1 and [e for e, *_ in dog.flights[t]] == [made[0], first]
-    assert not first.query()
+    assert not dog.spare and not first.done.is_set()
 
 
 def test_the_timeout_is_the_process_groups_unless_configured():

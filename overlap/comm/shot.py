@@ -22,8 +22,10 @@ torch's kernels synchronize through signal pads with compare-and-swap loops that
 timeout (a rank sets its flag in a peer's pad from 0 to 1, then waits for the peer's flag in
 its own pad to be 1 and sets it back to 0); a peer that never arrives holds them, so the
 watchdog's ``abort`` releases them with stream writes (no SM needed): this rank's flags for
-the peers set to 1, this rank's flags in the peers' pads set to 0, a few rounds, until every
-barrier of the calls in flight has passed (their results are garbage; the call raises).
+the peers set to 1, this rank's flags in the peers' pads set to 0, round after round (each
+passes one barrier of every block) until every call queued on the streams that issued calls
+here has ended, or ``RELEASE_SECONDS`` have passed (their results are garbage; the calls
+raise).
 
 Needs: CUDA, torch symmetric memory, cuda-python (the road "peer", ``route``).
 """
@@ -50,7 +52,7 @@ ONE_SHOT_BYTES = 512 << 10
 SHOT_BYTES = 16 << 20
 DTYPES = (torch.bfloat16, torch.float32)  # (torch 2.11's kernels refuse float16)
 KINDS = ("one-shot", "two-shot")
-RELEASE_ROUNDS = 20  # abort: rounds of writes, each releasing one barrier of every block
+RELEASE_SECONDS = 30.0  # abort: how long it releases barriers at most
 
 
 def kind(nbytes: int) -> str | None:
@@ -98,6 +100,7 @@ class ShotTransport(Transport):
 
         self.buf, self.handle = kept(device, make)
         self._views: dict[tuple, torch.Tensor] = {}
+        self.streams: set = set()  # the caller streams of its calls (``abort`` waits for them)
         ops = torch.ops.symm_mem
         self._one, self._two = ops.one_shot_all_reduce_out, ops.two_shot_all_reduce_
 
@@ -122,22 +125,34 @@ class ShotTransport(Transport):
         if two_shot:  # (in place, then a copy: 2-3 us faster than two_shot_all_reduce_out at
             self._two(part, "sum", self.group_name)  # 1-4 MB, 2 H200s)
             out.copy_(part)
+        elif out.data_ptr() % 16:  # (the kernel stores 16-byte vectors into its output)
+            whole = torch.empty_like(out)
+            self._one(part, "sum", self.group_name, whole)
+            out.copy_(whole)
         else:
             self._one(part, "sum", self.group_name, out)
 
     def abort(self) -> None:
         """Release this rank's barriers in torch's kernels (module docstring): the writes of
-        ``release_writes`` by stream writes on a side stream, ``RELEASE_ROUNDS`` times."""
+        ``release_writes`` by stream writes on a side stream, round after round, until the
+        work queued so far on every stream that issued calls here has ended."""
         pads = [int(a) for a in self.handle.signal_pad_ptrs]
         writes = release_writes(pads, self.handle.signal_pad_size // 4, self.rank)
+        ends = []
+        for stream in self.streams:
+            ends.append(torch.cuda.Event())
+            ends[-1].record(stream)
         side = torch.cuda.Stream(self.device)
-        for _ in range(RELEASE_ROUNDS):
+        deadline = time.monotonic() + RELEASE_SECONDS
+        while True:
             q = StreamOps(side.cuda_stream)
             for addr, value in writes:
                 q.write(addr, value)
             q.flush()
             side.synchronize()
-            time.sleep(0.005)
+            if all(e.query() for e in ends) or time.monotonic() > deadline:
+                return
+            time.sleep(0.001)
 
     def close(self) -> None:
         """Free the symmetric buffer (every rank of the group closes together)."""

@@ -132,6 +132,20 @@ def _decide(x, w, name, group, chunks, backend, capturing: bool):
         raise ValueError(f"{name} needs M ({M}) divisible by the world size ({R})")
     ctx = context(group, x.device)  # (ctx.group: None resolved to the default group)
     road = comm.road(ctx.group, x.device, capturing) if x.is_cuda else None  # a collective, once
+    choice = tuned(ctx, tuned_key(M, N, K, x.dtype, name)) if chunks is None else None
+    # The latency all-reduce (comm/shot.py) where the group's GPUs map each other's memory,
+    # decided before anything of this rank's own (K) can send it elsewhere than its peers; a
+    # tuned "plain" is it (overlap.tune times "plain" through the tuned choices), a tuned chunk
+    # count is not.
+    if spec.replicated and road == ShotTransport.road and backend == "auto" and chunks is None \
+            and type(choice) is not int and x.dtype in shot.DTYPES:  # fmt: skip
+        kind = shot.kind(M * N * x.element_size())
+        if kind is not None and capturing and comm.shared(ShotTransport, ctx.group, x.device) \
+                is None:  # fmt: skip
+            kind = None  # (a capture cannot map its buffer: an eager call makes it)
+        if kind is not None:  # (in place of an overlapped call too: comm/shot.py's crossovers)
+            why = f"{kind} all-reduce: its transfer is shorter than an overlapped call's cost"
+            return Plan("fallback", why, name, M, N, K, R, transport=kind), ctx, None
     why = None
     if K == 0:  # (the kernel needs K > 0)
         why = "K = 0: nothing to overlap (the product is zeros, as torch.matmul's)"
@@ -143,7 +157,6 @@ def _decide(x, w, name, group, chunks, backend, capturing: bool):
         elif x.dtype == torch.bfloat16:
             why = f"the Triton interpreter computes bfloat16 products wrongly ({_triton()})"
     if why is None and chunks is None:
-        choice = tuned(ctx, tuned_key(M, N, K, x.dtype, name))  # set by overlap.tune only
         if choice == "plain":
             why = "overlap.tune measured the plain path fastest"
         chunks = None if choice == "plain" else choice
@@ -151,13 +164,6 @@ def _decide(x, w, name, group, chunks, backend, capturing: bool):
         p = GatherPlan("fallback", why, M, K, R) if spec.before else \
             Plan("fallback", why, name, M, N, K, R)  # fmt: skip
         return p, ctx, None
-    kind = None  # the latency all-reduce (comm/shot.py), where the group's GPUs map each other's
-    if spec.replicated and road == ShotTransport.road and backend == "auto" and chunks is None \
-            and x.dtype in shot.DTYPES:  # fmt: skip
-        kind = shot.kind(M * N * x.element_size())
-        if kind is not None and capturing and comm.shared(ShotTransport, ctx.group, x.device) \
-                is None:  # fmt: skip
-            kind = None  # (a capture cannot map its buffer: an eager call makes it)
 
     def fits(cls: type[Transport]) -> bool:  # a capture uses the buffers an eager call sized
         t = comm.shared(cls, ctx.group, x.device)
@@ -173,9 +179,6 @@ def _decide(x, w, name, group, chunks, backend, capturing: bool):
         num_sms=num_sms(x.device), chunks=chunks, blocked=cls.blocked, transport=cls.name,
         link=road or "network",
     )  # fmt: skip
-    if kind is not None:  # (in place of an overlapped call too: comm/shot.py's crossovers)
-        why = f"{kind} all-reduce: its transfer is shorter than an overlapped call's cost"
-        return Plan("fallback", why, name, M, N, K, R, transport=kind), ctx, None
     return p, ctx, cls if p.path == "overlap" else None  # (a small product: the plain path)
 
 
@@ -485,6 +488,7 @@ def _shot(x, w, out, p: Plan, scale: float | None, ctx: Context, shape) -> torch
     eager call is watched (``_issued``)."""
     cap = torch.cuda.is_current_stream_capturing()
     t = ctx.transport(ShotTransport, cap)  # (made by the first call: a collective)
+    t.streams.add(ctx.caller)
     part = t.partial(shape, x.dtype)
     torch.matmul(x, w, out=part)
     if scale is not None:
@@ -493,7 +497,7 @@ def _shot(x, w, out, p: Plan, scale: float | None, ctx: Context, shape) -> torch
         out = torch.empty(shape, dtype=x.dtype, device=x.device)
     with _on_device(x):
         t.reduce(part, out, p.transport == "two-shot")
-    if not cap:
+    if not (cap or guard.validating()):  # (validation mode watches the call itself)
         _issued(t, ctx, p)
     return out
 

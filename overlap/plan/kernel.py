@@ -43,7 +43,8 @@ from .tiles import _GPU_TILES_16BIT, MAX_CHUNKS, Tiles, host_bands, plain_reason
 @dataclass(frozen=True)
 class Plan:
     """How one call runs. ``path`` is "overlap" or "fallback"; ``reason`` says why;
-    ``transport`` names what moves the chunks (``overlap.comm``; "" on the plain path).
+    ``transport`` names what moves the chunks (``overlap.comm``; on the plain path "", or the
+    latency all-reduce's "one-shot" / "two-shot").
 
     Identical on every rank for identical arguments (it depends on nothing else).
     """
@@ -153,10 +154,11 @@ class Plan:
 
     def layout(self) -> str:
         """How the ranks' messages are cut, which every rank must share (validation's
-        fingerprint): "plain", or the transport, the row layout ("blocked": the copy engines'
-        rank blocks; "slots") and the rows and columns of a band."""
+        fingerprint): "plain" (with the latency all-reduce's kind: "plain one-shot"), or the
+        transport, the row layout ("blocked": the copy engines' rank blocks; "slots") and the
+        rows and columns of a band."""
         if self.path != "overlap":
-            return "plain"
+            return f"plain {self.transport}" if self.transport else "plain"
         rows = "blocked" if self.blocked else "slots"
         return f"{self.transport} {rows} rows={self.run_rows} cols={self.chunk_cols}"
 
