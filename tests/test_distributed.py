@@ -124,13 +124,13 @@ def _avg(rank, R, seed):
             msg = check_case(rank, R, "cpu", coll, dtype, shp, seed + 10 * i + j, op="avg",
                              chunks=chunks, expect=expect)  # fmt: skip
             failures += [msg] if msg else []
-        key = tuned_key(None, shape[0], shape[2], shape[1], torch.float32, coll)
-        set_tuned(key, "plain")  # (as overlap.tune records it)
+        key = tuned_key(shape[0], shape[2], shape[1], torch.float32, coll)
+        set_tuned(None, torch.device("cpu"), key, "plain")  # (as overlap.tune records it)
         try:
             msg = check_case(rank, R, "cpu", coll, torch.float32, shape, seed + 10 * i + 5,
                              op="avg", expect="fallback")  # fmt: skip
         finally:
-            set_tuned(key, None)
+            set_tuned(None, torch.device("cpu"), key, None)
         failures += [msg] if msg else []
         for j, dtype in enumerate((torch.float32, torch.bfloat16)):  # the op's own name
             _, xs, ws = _draw(R, dtype, shape, seed + 10 * i + 6 + j)

@@ -185,6 +185,7 @@ def _release_forgets_the_default_group(rank, R, seed):
     left, the next plan the default one, and the next call right (against float64, its
     ``out`` NaN first)."""
     from overlap import context
+    from overlap.state import states
 
     g = torch.Generator().manual_seed(seed)
     xs = [torch.randn(96, 32, generator=g) for _ in range(R)]
@@ -203,8 +204,9 @@ def _release_forgets_the_default_group(rank, R, seed):
         if overlap.plan(x, w, "all_reduce").describe() == default:
             failures.append(f"{name}: the tuned plan is the default one: the case is void")
         overlap.release(released)
-        left = {"contexts": [k for k in context._contexts if k[0] is world],
-                "tuned choices": [k for k in context._tuned if k[0] is world],
+        kept = [s for s in states() if s.group is world]
+        left = {"contexts": [c for s in kept for c in s.contexts],
+                "tuned choices": [k for s in kept for k in s.tuned],
                 "decided calls": list(context.calls)}  # fmt: skip
         failures += [f"{name}: {what} left: {keys}" for what, keys in left.items() if keys]
         after = overlap.plan(x, w, "all_reduce").describe()
