@@ -113,7 +113,7 @@ EOF
 echo "
 Run:   scripts/python examples/tp_linear.py
 Tests: scripts/python -m pytest -m quick    (a first check: about a minute)
-       scripts/python -m pytest             (all tests without a GPU: 11 min on 2 free cores)"
+       scripts/python -m pytest             (all tests without a GPU: 15 min on 2 free cores)"
 if [ "$("$PY" -c 'import sys; print(sys.prefix)')" = "$PWD/.venv" ] && [ -z "${VIRTUAL_ENV:-}" ]; then
   echo "To use plain python instead of scripts/python:  source .venv/bin/activate"
 fi
