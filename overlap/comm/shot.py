@@ -17,15 +17,15 @@ up to ``SHOT_BYTES``, in place of an overlapped call too.
 
 One transport per (group, device), made by the first eligible eager call on every rank (the
 rendezvous is a collective) and shared by the contexts of every caller stream (``sized``): a
-call captured in a CUDA graph uses it where an eager call made it, else NCCL. ``watched``:
-torch's kernels synchronize through signal pads with compare-and-swap loops that have no
-timeout (a rank sets its flag in a peer's pad from 0 to 1, then waits for the peer's flag in
-its own pad to be 1 and sets it back to 0); a peer that never arrives holds them, so the
-watchdog's ``abort`` releases them with stream writes (no SM needed): this rank's flags for
-the peers set to 1, this rank's flags in the peers' pads set to 0, round after round (each
-passes one barrier of every block) until every call queued on the streams that issued calls
-here has ended, or ``RELEASE_SECONDS`` have passed (their results are garbage; the calls
-raise).
+call captured in a CUDA graph uses it where an eager call made it, else the path the rest of the
+decision gives (NCCL's plain path, or the copy engines where earlier calls sized them).
+``watched``: torch's kernels synchronize through signal pads with compare-and-swap loops that
+have no timeout (a rank sets its flag in a peer's pad from 0 to 1, then waits for the peer's
+flag in its own pad to be 1 and sets it back to 0); a peer that never arrives holds them, so the
+watchdog's ``abort`` releases them with stream writes (no SM needed): this rank's flags for the
+peers set to 1, this rank's flags in the peers' pads set to 0, round after round (each passes
+one barrier of every block) until every call queued on the streams that issued calls here has
+ended, or ``RELEASE_SECONDS`` have passed (their results are garbage; the calls raise).
 
 Needs: CUDA, torch symmetric memory, cuda-python (the road "peer", ``route``).
 """

@@ -18,11 +18,12 @@ MAX_CHUNKS = 64  # counters per context; plans never exceed it
 # and all-gathers among them lost up to 0.09 ms; ops of 0.31 ms or more saved 0.07-0.18 ms.
 # Rates (H100 and H200, bf16): cuBLAS 660-800 TFLOP/s (600 here); per rank one way, NVLink
 # ~150-200 GB/s (a 4096x8192 reduce-scatter in 0.166 ms on 2 H200s), pinned host memory ~25
-# (NCCL's host road: 1.34 ms), between hosts 10. This is a model, not a measurement: every
-# rank must decide alike (a rank that overlaps while its peer runs plain hangs both), so it
-# reads only what the ranks share; a table measured per group would need an agreement (the
-# road's collective is the place). Not checked against measurements without P2P, at TP 4 or
-# on other GPUs; at R = 4, NCCL per chunk beat the copy engines for an all-reduce of 16384
+# (NCCL's host road: 1.34 ms), between hosts 10. This is a model, not a measurement: every rank must
+# decide alike (a rank that overlaps while its peer runs plain hangs both), so it reads no timing,
+# only shapes; but its FLOP count takes this rank's own K, which ranks with uneven K shards may not
+# share (validation mode's fingerprint catches that: the layout differs). A table measured per group
+# would need an agreement (the road's collective). Not checked against measurements without P2P, at
+# TP 4 or on other GPUs; at R = 4, NCCL per chunk beat the copy engines for an all-reduce of 16384
 # rows (2.006 against 2.284 ms), which no rule here chooses.
 GEMM_FLOP_PER_MS = 6e11
 LINK_BYTES_PER_MS = {"peer": 1.5e8, "host": 2.5e7, "network": 1e7}  # by ``comm.road``
