@@ -82,7 +82,7 @@ class ShotTransport(Transport):
     """The group's symmetric buffer (``partial``) and the reduction (``reduce``); one per
     (group, device)."""
 
-    name, road, sized, watched, column_bands = "shot", "peer", True, True, True
+    name, road, sized, watched = "shot", "peer", True, True
 
     def __init__(self, group: dist.ProcessGroup | None, device: torch.device) -> None:
         from torch.distributed import _symmetric_memory as symm_mem
