@@ -1,0 +1,154 @@
+"""No devices: the latency all-reduce through host memory (``overlap/gemm/shot.py``) under
+Triton's interpreter, every rank's launch a thread and every program of a launch a thread of
+its own, stepped in turn by the simulation's scheduler (``_sim.Kernels``), so that a program
+spinning on a peer's flag waits for that peer as on GPUs.
+
+The shared host buffer is one CPU tensor whose rank regions every rank's kernel addresses, as
+the pinned mapping on GPUs. Checked against float64 sums on fresh data: sizes below one
+block, several blocks, more blocks than programs, calls of different sizes one after
+another (the slots' parity), a skewed schedule (one rank many steps ahead: it must wait, and
+must not overwrite a slot a peer still reads), the same bits on every rank, and an abort
+that ends a wait on a peer that never comes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _sim import Kernels as _Kernels
+from triton.runtime import interpreter
+
+from overlap.gemm import shot
+
+MAX_STEPS = 200_000
+
+
+def Kernels(monkeypatch) -> _Kernels:
+    """The simulation's scheduler, which also hands the turn over right after a flag is set
+    (a release): a peer may then see the flag before this program's next store, as on GPUs
+    (a flag set before the stores it publishes would be seen early)."""
+    kernels = _Kernels(monkeypatch)
+    builder = interpreter.interpreter_builder
+    rmw = builder.create_atomic_rmw
+
+    def create_atomic_rmw(op, ptr, val, mask, sem, scope):
+        out = rmw(op, ptr, val, mask, sem, scope)
+        if val.data.any():  # (not a poll: a flag set)
+            kernels._yield("tile")
+        return out
+
+    monkeypatch.setattr(builder, "create_atomic_rmw", create_atomic_rmw)
+    return kernels
+
+
+class Ranks:
+    """``world`` ranks' regions in one host buffer, and each rank's epochs."""
+
+    def __init__(self, world: int, slot_bytes: int) -> None:
+        self.world, self.slot_bytes = world, slot_bytes
+        region = shot.region_bytes(slot_bytes)
+        self.host = torch.zeros(world * region, dtype=torch.uint8)
+        self.regions = torch.tensor(
+            [self.host.data_ptr() + r * region for r in range(world)], dtype=torch.int64
+        )
+        self.epochs = [torch.zeros(shot.PROGRAMS, dtype=torch.int32) for _ in range(world)]
+        self.region = region
+
+    def abort(self, r: int) -> None:
+        """Rank ``r``'s abort word set (``HostShotTransport.abort``: a host store)."""
+        at = r * self.region + shot.ABORT
+        self.host[at : at + 4].view(torch.int32).fill_(1)
+
+    def launch(self, r: int, parts: list[torch.Tensor], outs: list[torch.Tensor]):
+        """Rank ``r``'s calls one after another, as its stream would run them."""
+
+        def go():
+            for part, out in zip(parts, outs, strict=True):
+                shot.host_shot_all_reduce(part, out, self.regions, self.epochs[r],
+                                          self.slot_bytes, r)  # fmt: skip
+
+        return go
+
+
+def _run(kernels: Kernels, names: list[str], ahead: str | None = None) -> None:
+    """Step the kernels ``names`` until all are done (``ahead``: that one takes 16 steps to
+    the others' one); a schedule that never ends fails as a deadlock."""
+    live = list(names)
+    for _ in range(MAX_STEPS):
+        if not live:
+            return
+        for name in list(live):
+            for _ in range(16 if name == ahead else 1):
+                if kernels.step(name) == "done":
+                    live.remove(name)
+                    break
+    raise AssertionError(f"deadlock: {live} never finished")
+
+
+@pytest.mark.parametrize(
+    "world,sizes",
+    [
+        (2, [1, 100, 7]),
+        (2, [3 * shot.BLOCK + 5, 40, 2 * shot.BLOCK]),  # a big call, then small ones
+        (3, [2 * shot.BLOCK + 1, 5, 2 * shot.BLOCK + 1]),
+        (4, [40, 40, 40]),
+    ],
+)
+def test_sum_over_ranks(monkeypatch, world, sizes):
+    monkeypatch.setattr(shot, "PROGRAMS", 3)  # (every program a thread: the real 32 is slow)
+    kernels = Kernels(monkeypatch)
+    try:
+        ranks = Ranks(world, max(sizes) * 4)
+        calls = len(sizes)
+        for ahead in range(world):  # one rank 16 steps to the others' one
+            parts = [[torch.randn(n, dtype=torch.float64).float() for n in sizes]
+                     for _ in range(world)]  # fmt: skip
+            outs = [[torch.full((n,), float("nan")) for n in sizes] for _ in range(world)]
+            names = [f"a{ahead}r{r}" for r in range(world)]
+            for r, name in enumerate(names):
+                kernels.start(name, ranks.launch(r, parts[r], outs[r]))
+            _run(kernels, names, ahead=names[ahead])
+            for c in range(calls):
+                ref = sum(parts[r][c].double() for r in range(world))
+                for r in range(world):
+                    torch.testing.assert_close(outs[r][c].double(), ref, atol=1e-5, rtol=1e-5)
+                    assert torch.equal(outs[r][c], outs[0][c]), "ranks' results differ in bits"
+        done = [e.tolist() for e in ranks.epochs]
+        assert all(d == [calls * world] * shot.PROGRAMS for d in done), done
+    finally:
+        kernels.close()
+
+
+def test_many_blocks_per_program(monkeypatch):
+    """More blocks than programs: each program walks several; bfloat16 summed in fp32."""
+    monkeypatch.setattr(shot, "PROGRAMS", 2)
+    kernels = Kernels(monkeypatch)
+    try:
+        n = 5 * shot.BLOCK + 3
+        ranks = Ranks(2, n * 4)
+        parts = [[torch.randn(n) for _ in range(2)] for _ in range(2)]
+        outs = [[torch.full((n,), float("nan")) for _ in range(2)] for _ in range(2)]
+        for r in range(2):
+            kernels.start(f"r{r}", ranks.launch(r, parts[r], outs[r]))
+        _run(kernels, ["r0", "r1"], ahead="r1")
+        for c in range(2):
+            ref = parts[0][c].double() + parts[1][c].double()
+            for r in range(2):
+                torch.testing.assert_close(outs[r][c].double(), ref, atol=1e-5, rtol=1e-5)
+    finally:
+        kernels.close()
+
+
+def test_abort_ends_the_wait_on_a_dead_peer(monkeypatch):
+    """Rank 1 never launches: rank 0 (all ``PROGRAMS`` of it) spins until its abort word is
+    set."""
+    kernels = Kernels(monkeypatch)
+    try:
+        ranks = Ranks(2, 64)
+        kernels.start("r0", ranks.launch(0, [torch.ones(10)], [torch.empty(10)]))
+        kinds = [kernels.step("r0") for _ in range(50)]
+        assert kinds[-1] == "poll" and "done" not in kinds, kinds
+        ranks.abort(0)
+        _run(kernels, ["r0"])
+    finally:
+        kernels.close()
