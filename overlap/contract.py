@@ -46,6 +46,20 @@ if TYPE_CHECKING:
 FLAGS_BYTES = 4096  # flags at the start of every transport buffer (FlagLayout.check)
 SET = 1  # the value of a set flag (zeroed: not set)
 
+# The latency all-reduce through host memory (gemm/shot.py): a rank's region of the host
+# buffer is SHOT_FLAGS_BYTES (its flag at 0, the abort word at SHOT_ABORT), then two slots; a
+# call runs up to SHOT_PROGRAMS programs; each rank counts its calls in SHOT_STATE int32.
+SHOT_PROGRAMS = 32
+SHOT_STATE = 4
+SHOT_FLAGS_BYTES = 4096
+SHOT_ABORT = 2048
+
+
+def shot_region_bytes(slot_bytes: int) -> int:
+    """Bytes of one rank's region of the host latency all-reduce for slots of
+    ``slot_bytes``."""
+    return SHOT_FLAGS_BYTES + 2 * slot_bytes
+
 
 def first_band(rank: int, world_size: int, bands_per_block: int) -> int:
     """The band rank ``rank`` launches first: the first band of block ``rank + 1``."""

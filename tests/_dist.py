@@ -283,9 +283,12 @@ def fault_scenarios(rank: int, R: int, scenario: str, device: str) -> list[str]:
     - ``stuck_ce_off``: the same when rank 1 does not die but stops before its fourth call
       (three calls warm): a peer that hangs rather than dies.
     - ``killed_mid_call_shot_off``, ``stuck_shot_off``: the same through the latency
-      all-reduce (``comm/shot.py``: a product too small to overlap, GPU to GPU; 40 calls at a
-      time): rank 1 dies before its kernel, for which rank 0's kernels wait in their barriers,
+      all-reduce (``comm/shot.py``: a product too small to overlap, either road; 40 calls at
+      a time): rank 1 dies before its kernel, for which rank 0's kernels wait in their barriers,
       or stops.
+    - ``killed_mid_call_shot``: validation on (5 s), the latency all-reduce on either road (GPU
+      only), after a first call: rank 1 dies before its reduction; rank 0's watch aborts the
+      transport (its kernels' waits end) and the call raises.
     - ``stuck_nccl_off``, ``killed_mid_call_nccl_off``, ``killed_mid_split_nccl_off``:
       validation off, NCCL per chunk (``backend="torch"``; an uneven exchange takes it on every
       backend but CuPy's), group timeout 8 s: torch's own watchdog ends rank 0's process (by
@@ -342,6 +345,8 @@ def fault_scenarios(rank: int, R: int, scenario: str, device: str) -> list[str]:
         overlap.configure(validate=False)
     elif scenario.endswith("_off"):
         failures += _watchdog_scenario(rank, scenario, dev, x, w)
+    elif scenario == "killed_mid_call_shot":
+        failures += _shot_watch_scenario(rank, dev, x, w)
     elif scenario.startswith("killed_mid_"):
         validate = device != "cpu"
         backend = "ce" if scenario.endswith("_ce") else "torch"
@@ -416,6 +421,41 @@ def _die_in_second(name: str) -> None:
     setattr(dist, name, dying)
 
 
+def _die_in_latency_all_reduce() -> None:
+    """This process exits in its next latency all-reduce, on either road, before its
+    reduction (its peers' kernels wait for it)."""
+    from overlap.comm import ShotTransport
+    from overlap.gemm import shot as host_shot
+
+    ShotTransport.reduce = lambda *a, **k: os._exit(0)
+    host_shot.host_shot_all_reduce = lambda *a, **k: os._exit(0)
+
+
+def _shot_watch_scenario(rank: int, dev: str, x, w) -> list[str]:
+    """``fault_scenarios``' ``killed_mid_call_shot`` (its docstring)."""
+    import time
+
+    overlap.configure(validate=True, timeout=5)
+    try:
+        overlap.matmul_allreduce(x[:64], w)  # (makes the transport: a collective)
+        torch.cuda.synchronize(dev)
+        p = overlap.plan(x[:64], w)
+        if p.transport not in ("one-shot", "host one-shot"):
+            return [f"the call does not take the one-shot all-reduce: {p.describe()}"]
+        if rank == 1:
+            _die_in_latency_all_reduce()
+        t0 = time.monotonic()
+        try:
+            overlap.matmul_allreduce(x[:64], w)
+            torch.cuda.synchronize(dev)
+            return ["no error although rank 1 died mid-call"]
+        except (RuntimeError, TimeoutError) as e:
+            took = time.monotonic() - t0
+            return [f"raised only after {took:.1f} s: {e}"] if took > 20 else []
+    finally:
+        overlap.configure(validate=False)
+
+
 def _watchdog_scenario(rank: int, scenario: str, dev: str, x, w) -> list[str]:
     """``fault_scenarios``' validation-off cases (its docstring)."""
     import time
@@ -433,7 +473,7 @@ def _watchdog_scenario(rank: int, scenario: str, dev: str, x, w) -> list[str]:
         if gather:
             return overlap.all_gather_matmul(x, w, chunks=4, backend="ce", group=g)
         if shot:  # (40 calls in flight: the release goes on until every one has ended)
-            return [overlap.matmul_allreduce(x[:8], w, group=g) for _ in range(40)]
+            return [overlap.matmul_allreduce(x[:64], w, group=g) for _ in range(40)]
         return overlap.matmul_collective(x, w, chunks=4, backend="ce", group=g)
 
     for _ in range(3 if scenario.startswith("stuck") else 1):  # (sizes the buffers: collectives)
@@ -446,9 +486,7 @@ def _watchdog_scenario(rank: int, scenario: str, dev: str, x, w) -> list[str]:
     elif rank == 1 and gather:
         PeerTransport.gather = lambda *a, **k: os._exit(0)
     elif rank == 1 and shot:
-        from overlap.comm import ShotTransport
-
-        ShotTransport.reduce = lambda *a, **k: os._exit(0)
+        _die_in_latency_all_reduce()
     elif rank == 1:
         orig_send = PeerTransport._send
 
@@ -462,8 +500,8 @@ def _watchdog_scenario(rank: int, scenario: str, dev: str, x, w) -> list[str]:
 
         PeerTransport._send = dying_send  # (the host road's `run` calls it too)
     if shot:
-        p = overlap.plan(x[:8], w, group=g)
-        if p.transport != "one-shot":
+        p = overlap.plan(x[:64], w, group=g)
+        if p.transport not in ("one-shot", "host one-shot"):
             return [f"the call does not take the one-shot all-reduce: {p.describe()}"]
     else:
         p = overlap.plan(x, w, "all_gather" if gather else "all_reduce", chunks=4, backend="ce",

@@ -124,9 +124,10 @@ def test_suite_two_gpus(p2p, backend, monkeypatch):
     _on_two_gpus(monkeypatch, _suite, random.randrange(1 << 30), backend, 4, **env)
 
 
-def _shot_cases(rank, R, seed):
-    """The latency all-reduce (``comm/shot.py``): products too small to overlap, GPU to GPU,
-    one-shot and two-shot by size, every dtype (float16 takes NCCL), ragged sizes, a 3-D x,
+def _shot_cases(rank, R, seed, road):
+    """The latency all-reduce (``comm/shot.py``) on ``road``: products too small to overlap,
+    GPU to GPU one-shot and two-shot by size (float16 takes NCCL), or through host memory (the
+    library's one-shot, every float type), every dtype, ragged sizes, a 3-D x,
     ``avg``, ``out=``, calls back to back with NCCL ones between, and captured in a CUDA graph
     whose replays see new data: each against float64, the ranks' results equal in bits."""
     import torch.distributed as dist
@@ -157,9 +158,9 @@ def _shot_cases(rank, R, seed):
     for dt, m, k, n in cases:
         x = torch.randn(m, k, device=dev, dtype=dt, generator=gen)
         w = torch.randn(k, n, device=dev, dtype=dt, generator=gen) / k**0.5
-        want = shot.kind(m * n * x.element_size()) if dt in shot.DTYPES else None
+        want = shot.kind(m * n * x.element_size(), dt, road)
         p = overlap.plan(x, w)
-        if want is not None and p.transport != want:
+        if (want is not None or p.transport in shot.KINDS) and p.transport != want:
             failures.append(f"{(dt, m, k, n)}: plan {p.describe()}, want {want}")
         for _ in range(2):  # (the first makes the transport: a collective)
             check(f"{(dt, m, k, n)}", overlap.matmul_allreduce(x, w), x, w)
@@ -183,48 +184,40 @@ def _shot_cases(rank, R, seed):
     for i, y in enumerate(ys):
         check(f"back to back #{i}", y, xs[i // 3], w)
     # captured: the graph's replays read new data
-    x = torch.randn(8, 1024, device=dev, dtype=torch.bfloat16, generator=gen)
+    x = torch.randn(16, 1024, device=dev, dtype=torch.bfloat16, generator=gen)  # (128 KB)
     overlap.matmul_allreduce(x, w)  # (warm: the transport exists)
     s = torch.cuda.Stream(dev)
     s.wait_stream(torch.cuda.current_stream(dev))
     graph = torch.cuda.CUDAGraph()
-    before = overlap.stats().get("matmul_allreduce", {}).get("plain via one-shot", 0)
+    first = "plain via one-shot" if road == "peer" else "plain via host one-shot"
+    before = overlap.stats().get("matmul_allreduce", {}).get(first, 0)
     with torch.cuda.stream(s), torch.cuda.graph(graph, stream=s):
         y1 = overlap.matmul_allreduce(x, w)
         x2 = y1[:, :1024].contiguous()
         y2 = overlap.matmul_allreduce(x2, w)
-    took = overlap.stats().get("matmul_allreduce", {}).get("plain via one-shot", 0) - before
+    took = overlap.stats().get("matmul_allreduce", {}).get(first, 0) - before
     if took != 2:
         failures.append(f"captured: {took} of 2 calls took the one-shot all-reduce")
     for i in range(3):
-        x.copy_(torch.randn(8, 1024, device=dev, dtype=torch.bfloat16, generator=gen))
+        x.copy_(torch.randn(16, 1024, device=dev, dtype=torch.bfloat16, generator=gen))
         graph.replay()
         check(f"replay {i}", y1, x, w)
         check(f"replay {i}, the second call", y2, x2, w)
         eager = overlap.matmul_allreduce(x, w)  # an eager call between replays
         check(f"eager after replay {i}", eager, x, w)
     paths = overlap.stats().get("matmul_allreduce", {})
-    if not any("one-shot" in k for k in paths) or not any("two-shot" in k for k in paths):
+    kinds = ("one-shot", "two-shot") if road == "peer" else ("host one-shot",)
+    if not all(any(k.endswith(f"via {kind}") for k in paths) for kind in kinds):
         failures.append(f"stats: {paths}")
     return failures
 
 
 @pytest.mark.parametrize("p2p", ["nvlink", "no_p2p"])
 def test_latency_all_reduce(p2p, monkeypatch):
-    """Without P2P (NCCL_P2P_DISABLE=1) no call takes it: the plan is NCCL's plain path."""
+    """Both roads: without P2P (NCCL_P2P_DISABLE=1) through host memory."""
     env = {"NCCL_P2P_DISABLE": "1"} if p2p == "no_p2p" else {}
-    fn = _shot_cases if p2p == "nvlink" else _no_shot
-    _on_two_gpus(monkeypatch, fn, random.randrange(1 << 30), **env)
-
-
-def _no_shot(rank, R, seed):
-    import overlap
-
-    x = torch.randn(8, 512, device=f"cuda:{rank}", dtype=torch.bfloat16)
-    w = torch.randn(512, 4096, device=f"cuda:{rank}", dtype=torch.bfloat16)
-    overlap.matmul_allreduce(x, w)
-    p = overlap.plan(x, w)
-    return [] if p.transport == "" else [f"without P2P: {p.describe()}"]
+    road = "peer" if p2p == "nvlink" else "host"
+    _on_two_gpus(monkeypatch, _shot_cases, random.randrange(1 << 30), road, **env)
 
 
 def _ce_specifics(rank, R, seed, want_route):
@@ -468,12 +461,20 @@ def test_faults_raise_instead_of_hanging(scenario, monkeypatch):
                                       "stuck_shot_off"])  # fmt: skip
 def test_watchdog_copy_engines(scenario, p2p, monkeypatch):
     """Validation off, a peer dead or stopped on either copy-engine road, or in the latency
-    all-reduce (GPU to GPU only): the watchdog makes the survivor raise within the group's
+    all-reduce on either road: the watchdog makes the survivor raise within the group's
     timeout (``_dist._watchdog_scenario``)."""
-    if "shot" in scenario and p2p == "no_p2p":
-        pytest.skip("the latency all-reduce runs GPU to GPU only")
     env = {"NCCL_P2P_DISABLE": "1"} if p2p == "no_p2p" else {}
     _on_two_gpus(monkeypatch, fault_scenarios, scenario, "cuda", **env)
+
+
+@pytest.mark.parametrize("p2p", ["nvlink", "no_p2p"])
+def test_validation_watches_latency_all_reduce(p2p, monkeypatch):
+    """Validation on, a peer dead before its reduction in the latency all-reduce on either
+    road: the watch aborts the transport and the survivor raises (``_dist``'s
+    ``killed_mid_call_shot``)."""
+    env = {"NCCL_P2P_DISABLE": "1"} if p2p == "no_p2p" else {}
+    env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"
+    _on_two_gpus(monkeypatch, fault_scenarios, "killed_mid_call_shot", "cuda", **env)
 
 
 @pytest.mark.parametrize("scenario", ["stuck_nccl_off", "killed_mid_call_nccl_off",

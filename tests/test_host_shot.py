@@ -18,6 +18,7 @@ import torch
 from _sim import Kernels as _Kernels
 from triton.runtime import interpreter
 
+from overlap.contract import SHOT_STATE, shot_region_bytes
 from overlap.gemm import shot
 
 MAX_STEPS = 200_000
@@ -26,10 +27,12 @@ MAX_STEPS = 200_000
 def Kernels(monkeypatch) -> _Kernels:
     """The simulation's scheduler, which also hands the turn over right after a flag is set
     (a release): a peer may then see the flag before this program's next store, as on GPUs
-    (a flag set before the stores it publishes would be seen early)."""
+    (a flag set before the stores it publishes would be seen early); and the odd programs of
+    a launch lag behind the even ones (8 turns before each store), as programs of one launch
+    do on GPUs (a program that went on before the others stored their share would be seen)."""
     kernels = _Kernels(monkeypatch)
     builder = interpreter.interpreter_builder
-    rmw = builder.create_atomic_rmw
+    rmw, store = builder.create_atomic_rmw, builder.create_masked_store
 
     def create_atomic_rmw(op, ptr, val, mask, sem, scope):
         out = rmw(op, ptr, val, mask, sem, scope)
@@ -37,21 +40,28 @@ def Kernels(monkeypatch) -> _Kernels:
             kernels._yield("tile")
         return out
 
+    def create_masked_store(ptrs, value, mask, *rest):
+        if getattr(kernels.local, "program", (0,))[0] % 2:
+            for _ in range(8):
+                kernels._yield("tile")
+        return store(ptrs, value, mask, *rest)
+
     monkeypatch.setattr(builder, "create_atomic_rmw", create_atomic_rmw)
+    monkeypatch.setattr(builder, "create_masked_store", create_masked_store)
     return kernels
 
 
 class Ranks:
-    """``world`` ranks' regions in one host buffer, and each rank's epochs."""
+    """``world`` ranks' regions in one host buffer, and each rank's state (its counts)."""
 
     def __init__(self, world: int, slot_bytes: int) -> None:
         self.world, self.slot_bytes = world, slot_bytes
-        region = shot.region_bytes(slot_bytes)
+        region = shot_region_bytes(slot_bytes)
         self.host = torch.zeros(world * region, dtype=torch.uint8)
         self.regions = torch.tensor(
             [self.host.data_ptr() + r * region for r in range(world)], dtype=torch.int64
         )
-        self.epochs = [torch.zeros(shot.PROGRAMS, dtype=torch.int32) for _ in range(world)]
+        self.states = [torch.zeros(SHOT_STATE, dtype=torch.int32) for _ in range(world)]
         self.region = region
 
     def abort(self, r: int) -> None:
@@ -64,7 +74,7 @@ class Ranks:
 
         def go():
             for part, out in zip(parts, outs, strict=True):
-                shot.host_shot_all_reduce(part, out, self.regions, self.epochs[r],
+                shot.host_shot_all_reduce(part, out, self.regions, self.states[r],
                                           self.slot_bytes, r)  # fmt: skip
 
         return go
@@ -86,35 +96,39 @@ def _run(kernels: Kernels, names: list[str], ahead: str | None = None) -> None:
 
 
 @pytest.mark.parametrize(
-    "world,sizes",
+    "world,sizes,dtype",
     [
-        (2, [1, 100, 7]),
-        (2, [3 * shot.BLOCK + 5, 40, 2 * shot.BLOCK]),  # a big call, then small ones
-        (3, [2 * shot.BLOCK + 1, 5, 2 * shot.BLOCK + 1]),
-        (4, [40, 40, 40]),
+        (2, [1, 100, 7], torch.float32),
+        (2, [3 * shot.BLOCK + 6, 40, 2 * shot.BLOCK], torch.float32),  # big, then small ones
+        (3, [2 * shot.BLOCK + 1, 5, 2 * shot.BLOCK + 1], torch.float32),
+        (4, [40, 40, 40], torch.float32),
+        (2, [2 * shot.BLOCK + 2, 2, 7], torch.bfloat16),
+        (3, [shot.BLOCK + 2, 6], torch.float16),
     ],
 )
-def test_sum_over_ranks(monkeypatch, world, sizes):
-    monkeypatch.setattr(shot, "PROGRAMS", 3)  # (every program a thread: the real 32 is slow)
+def test_sum_over_ranks(monkeypatch, world, sizes, dtype):
+    monkeypatch.setattr(shot, "PROGRAMS", 3)  # (every program a thread: the real count is slow)
     kernels = Kernels(monkeypatch)
     try:
         ranks = Ranks(world, max(sizes) * 4)
         calls = len(sizes)
         for ahead in range(world):  # one rank 16 steps to the others' one
-            parts = [[torch.randn(n, dtype=torch.float64).float() for n in sizes]
+            parts = [[torch.randn(n, dtype=torch.float64).to(dtype) for n in sizes]
                      for _ in range(world)]  # fmt: skip
-            outs = [[torch.full((n,), float("nan")) for n in sizes] for _ in range(world)]
+            outs = [[torch.full((n,), float("nan"), dtype=dtype) for n in sizes]
+                    for _ in range(world)]  # fmt: skip
             names = [f"a{ahead}r{r}" for r in range(world)]
             for r, name in enumerate(names):
                 kernels.start(name, ranks.launch(r, parts[r], outs[r]))
             _run(kernels, names, ahead=names[ahead])
             for c in range(calls):
-                ref = sum(parts[r][c].double() for r in range(world))
+                ref = sum(parts[r][c].double() for r in range(world))  # (fp32 sums, rounded)
+                tol = 1e-5 if dtype == torch.float32 else 1e-2
                 for r in range(world):
-                    torch.testing.assert_close(outs[r][c].double(), ref, atol=1e-5, rtol=1e-5)
+                    torch.testing.assert_close(outs[r][c].double(), ref, atol=tol, rtol=tol)
                     assert torch.equal(outs[r][c], outs[0][c]), "ranks' results differ in bits"
-        done = [e.tolist() for e in ranks.epochs]
-        assert all(d == [calls * world] * shot.PROGRAMS for d in done), done
+        done = [st.tolist() for st in ranks.states]  # calls done, the call's counts reset
+        assert all(d == [calls * world, 0, d[2], 0] for d in done), done
     finally:
         kernels.close()
 
@@ -144,7 +158,7 @@ def test_abort_ends_the_wait_on_a_dead_peer(monkeypatch):
     set."""
     kernels = Kernels(monkeypatch)
     try:
-        ranks = Ranks(2, 64)
+        ranks = Ranks(2, 128)
         kernels.start("r0", ranks.launch(0, [torch.ones(10)], [torch.empty(10)]))
         kinds = [kernels.step("r0") for _ in range(50)]
         assert kinds[-1] == "poll" and "done" not in kinds, kinds

@@ -14,6 +14,7 @@ until the calls queued have ended) must let them finish.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from overlap.comm import shot
 
@@ -107,9 +108,20 @@ def test_release_writes_touch_only_this_ranks_flags():
 
 
 def test_kind_by_size():
-    assert shot.kind(16) == "one-shot"
-    assert shot.kind(shot.ONE_SHOT_BYTES) == "one-shot"
-    assert shot.kind(shot.ONE_SHOT_BYTES + 16) == "two-shot"
-    assert shot.kind(shot.SHOT_BYTES) == "two-shot"
-    assert shot.kind(shot.SHOT_BYTES + 16) is None
-    assert shot.kind(8 * 3 * 1234 * 2 // 8 + 2) is None  # not whole 16-byte vectors
+    bf16 = torch.bfloat16
+    assert shot.kind(16, bf16, "peer") == "one-shot"
+    assert shot.kind(shot.ONE_SHOT_BYTES, bf16, "peer") == "one-shot"
+    assert shot.kind(shot.ONE_SHOT_BYTES + 16, torch.float32, "peer") == "two-shot"
+    assert shot.kind(shot.SHOT_BYTES, bf16, "peer") == "two-shot"
+    assert shot.kind(shot.SHOT_BYTES + 16, bf16, "peer") is None
+    assert shot.kind(8 * 3 * 1234 * 2 // 8 + 2, bf16, "peer") is None  # not 16-byte vectors
+    assert shot.kind(16, torch.float16, "peer") is None  # (torch's kernels refuse it)
+    assert shot.kind(16, bf16, None) is None  # (several hosts, no CUDA)
+    # without P2P: the library's kernel, any float type and size up to its slots
+    assert shot.kind(shot.HOST_SHOT_MIN_BYTES + 2, torch.float16, "host") == "host one-shot"
+    assert shot.kind(shot.HOST_SHOT_BYTES, bf16, "host") == "host one-shot"
+    assert shot.kind(shot.HOST_SHOT_BYTES + 2, bf16, "host") is None
+    assert shot.kind(shot.HOST_SHOT_MIN_BYTES, bf16, "host") is None  # (NCCL's below)
+    assert shot.kind(1 << 17, torch.float64, "host") is None
+    assert shot.transport("host one-shot") is shot.HostShotTransport
+    assert shot.transport("two-shot") is shot.ShotTransport

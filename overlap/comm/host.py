@@ -41,6 +41,54 @@ from .transport import kept, same_need
 _DEVICEMAP_PORTABLE = 0x02 | 0x01  # CU_MEMHOSTREGISTER_DEVICEMAP | _PORTABLE
 
 
+def map_shared(group: dist.ProcessGroup | None, rank: int, size: int, need) -> tuple:
+    """One zero-filled host buffer of ``size`` bytes that every rank of ``group`` maps,
+    pinned and registered for its GPU (a collective; ``need``: what every rank must agree on,
+    ranks that disagree raise ``RankMismatchError``). Returns ``(mapping, address)``: the
+    mapping (``[mmap, ctypes view, host address, size]``, for ``unmap``) and the buffer's
+    address as the GPU sees it."""
+    path = [None]
+    if rank == 0:
+        st = os.statvfs("/dev/shm") if os.path.isdir("/dev/shm") else None
+        room = st.f_bavail * st.f_frsize if st else 0
+        folder = "/dev/shm" if room > 2 * size else tempfile.gettempdir()
+        path[0] = os.path.join(folder, f"overlap-{uuid.uuid4().hex}")
+        with open(path[0], "wb") as f:
+            f.truncate(size)  # zero-filled: no flag set
+    try:  # rank 0's path; every rank's need (ranks that disagree raise)
+        path = same_need(group, need, path[0])[:1]
+    except RankMismatchError:
+        if rank == 0:
+            os.unlink(path[0])
+        raise
+    fd = os.open(path[0], os.O_RDWR)
+    try:
+        mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    view = ctypes.c_char.from_buffer(mm)
+    host = ctypes.addressof(view)
+    drv = _driver()
+    (err,) = drv.cuMemHostRegister(host, size, _DEVICEMAP_PORTABLE)
+    check(err, "cuMemHostRegister")
+    err, dev = drv.cuMemHostGetDevicePointer(host, 0)
+    check(err, "cuMemHostGetDevicePointer")
+    dist.barrier(group=group)  # every rank has mapped the file
+    if rank == 0:
+        os.unlink(path[0])  # the mappings keep the memory
+    return [mm, view, host, size], int(dev)
+
+
+def unmap(mapping: list) -> None:
+    """Unregister and unmap a buffer of ``map_shared`` (no call may use it any more); empties
+    ``mapping`` (the view into the mmap must be gone before it closes)."""
+    mm, view, host, _ = mapping
+    mapping.clear()
+    _driver().cuMemHostUnregister(host)
+    del view
+    mm.close()
+
+
 class HostTransport(PeerTransport):
     """``PeerTransport`` whose buffers live in pinned shared host memory; one per context."""
 
@@ -50,7 +98,7 @@ class HostTransport(PeerTransport):
     def __init__(self, group: dist.ProcessGroup | None, device: torch.device) -> None:
         super().__init__(group, device)
         self.region = 0  # bytes per destination rank: flags, then slots
-        self.mapping: tuple | None = None  # (mmap, ctypes view, host address, size)
+        self.mapping: list | None = None  # [mmap, ctypes view, host address, size] (map_shared)
         self.base = 0  # device address of the host buffer
         self.recv: torch.Tensor | None = None  # device receive slots (uint8)
         _, highest = torch.cuda.Stream.priority_range()
@@ -75,50 +123,18 @@ class HostTransport(PeerTransport):
         if self.mapping is not None and self.region >= FLAGS_BYTES + nbytes:
             return
         region = -(-(FLAGS_BYTES + nbytes) // mmap.PAGESIZE) * mmap.PAGESIZE
-        size = region * self.size
-        path = [None]
-        if self.rank == 0:
-            st = os.statvfs("/dev/shm") if os.path.isdir("/dev/shm") else None
-            room = st.f_bavail * st.f_frsize if st else 0
-            folder = "/dev/shm" if room > 2 * size else tempfile.gettempdir()
-            path[0] = os.path.join(folder, f"overlap-{uuid.uuid4().hex}")
-            with open(path[0], "wb") as f:
-                f.truncate(size)  # zero-filled: no flag set
-        try:  # rank 0's path; every rank's need (ranks that disagree raise)
-            path = same_need(self.group, nbytes, path[0])[:1]
-        except RankMismatchError:
-            if self.rank == 0:
-                os.unlink(path[0])
-            raise
-        fd = os.open(path[0], os.O_RDWR)
-        try:
-            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
-        view = ctypes.c_char.from_buffer(mm)
-        host = ctypes.addressof(view)
-        drv = _driver()
-        (err,) = drv.cuMemHostRegister(host, size, _DEVICEMAP_PORTABLE)
-        check(err, "cuMemHostRegister")
-        err, dev = drv.cuMemHostGetDevicePointer(host, 0)
-        check(err, "cuMemHostGetDevicePointer")
-        dist.barrier(group=self.group)  # every rank has mapped the file
-        if self.rank == 0:
-            os.unlink(path[0])  # the mappings keep the memory
+        mapping, dev = map_shared(self.group, self.rank, region * self.size, nbytes)
         torch.cuda.synchronize(self.device)  # nothing of ours uses the old buffers any more
         self._release()
-        self.mapping, self.region, self.base = (mm, view, host, size), region, int(dev)
+        self.mapping, self.region, self.base = mapping, region, dev
         self.generation += 1
         # every rank's region, as PeerTransport's buffers: _flag and _slot work unchanged
         self.ptrs = [self.base + d * region for d in range(self.size)]
 
     def _release(self) -> None:
         if self.mapping is not None:
-            mm, view, host, _ = self.mapping
-            _driver().cuMemHostUnregister(host)
-            del view
+            unmap(self.mapping)
             self.mapping = None
-            mm.close()
 
     def fits(self, M: int, N: int, K: int, spec, dtype: torch.dtype) -> bool:
         """Whether the call needs no bigger host or device buffers."""

@@ -32,13 +32,16 @@ Needs: CUDA, torch symmetric memory, cuda-python (the road "peer", ``route``).
 
 from __future__ import annotations
 
+import ctypes
 import time
 import warnings
 
 import torch
 import torch.distributed as dist
 
+from ..contract import SHOT_ABORT, SHOT_STATE, shot_region_bytes
 from ..signal.wait import StreamOps
+from .host import map_shared, unmap
 from .transport import Transport, kept
 
 # Crossovers, product bytes (2 H200s, NVLink, bf16, tools/decode_bench.py's op sweep of
@@ -51,16 +54,37 @@ from .transport import Transport, kept
 ONE_SHOT_BYTES = 512 << 10
 SHOT_BYTES = 16 << 20
 DTYPES = (torch.bfloat16, torch.float32)  # (torch 2.11's kernels refuse float16)
-KINDS = ("one-shot", "two-shot")
+# Through host memory (no P2P): the library's one-shot kernel (gemm/shot.py), any float type,
+# above HOST_SHOT_MIN_BYTES up to HOST_SHOT_BYTES (the slots' size). Crossovers (2 H200s,
+# NCCL_P2P_DISABLE=1, 2026-11-28, captured us per op, the kernel alone against NCCL's
+# all-reduce: 15.0 / 16.6 at 8 KB, 15.6 / 15.2 at 32 KB, 20.2 / 25.2 at 128 KB, 26.4 / 40.1 at
+# 256 KB, 37.3 / 48.3 at 512 KB, 55.9 / 64.2 at 1 MB, 96.8 / 98.5 at 2 MB; with the matmul, in
+# tools/decode_bench.py's sweep: 0.86-0.97x NCCL's time at 8-32 KB, 1.01-1.03x at 64 KB,
+# 1.10-1.39x at 128-512 KB). Eagerly its call costs ~20 us more host time than matmul +
+# dist.all_reduce (tools/host_profile.py): below 64 KB, where the GPU time saved is smaller,
+# NCCL keeps the call.
+HOST_SHOT_MIN_BYTES = 64 << 10
+HOST_SHOT_BYTES = 1 << 20
+HOST_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+KINDS = ("one-shot", "two-shot", "host one-shot")
 RELEASE_SECONDS = 30.0  # abort: how long it releases barriers at most
 
 
-def kind(nbytes: int) -> str | None:
-    """Which latency all-reduce ("one-shot", "two-shot", or None: NCCL) takes a product of
-    ``nbytes``."""
-    if nbytes > SHOT_BYTES or nbytes % 16:  # (torch's kernels: 16-byte vectors)
-        return None
+def kind(nbytes: int, dtype: torch.dtype, road: str | None) -> str | None:
+    """Which latency all-reduce (one of ``KINDS``, or None: none) takes a product of
+    ``nbytes`` of ``dtype`` on a group whose road is ``road`` ("peer": torch's kernels over
+    the GPUs' mapped memory; "host": the library's through the pinned host buffer)."""
+    if road == "host":
+        fits = HOST_SHOT_MIN_BYTES < nbytes <= HOST_SHOT_BYTES
+        return "host one-shot" if fits and dtype in HOST_DTYPES else None
+    if road != "peer" or dtype not in DTYPES or nbytes > SHOT_BYTES or nbytes % 16:
+        return None  # (torch's kernels: 16-byte vectors)
     return "one-shot" if nbytes <= ONE_SHOT_BYTES else "two-shot"
+
+
+def transport(kind: str) -> type[Transport]:
+    """The transport class of latency all-reduce ``kind``."""
+    return HostShotTransport if kind == "host one-shot" else ShotTransport
 
 
 def release_writes(pads: list[int], words: int, rank: int) -> list[tuple[int, int]]:
@@ -78,35 +102,23 @@ def release_writes(pads: list[int], words: int, rank: int) -> list[tuple[int, in
     return writes
 
 
-class ShotTransport(Transport):
-    """The group's symmetric buffer (``partial``) and the reduction (``reduce``); one per
-    (group, device)."""
+class _Shot(Transport):
+    """What both latency all-reduces keep: the buffer the matmul stores this rank's partial
+    product into (``partial``) and the streams that issued calls (``abort`` waits for
+    them)."""
 
-    name, road, sized, watched = "shot", "peer", True, True
+    sized, watched = True, True
 
     def __init__(self, group: dist.ProcessGroup | None, device: torch.device) -> None:
-        from torch.distributed import _symmetric_memory as symm_mem
-
         self.group, self.device = group, device
         self.rank = dist.get_rank(group)
-        self.group_name = (group if group is not None else dist.group.WORLD).group_name
-        with warnings.catch_warnings():  # needed by older torch, deprecated by newer
-            warnings.simplefilter("ignore")
-            symm_mem.enable_symm_mem_for_group(self.group_name)
-
-        def make() -> tuple:
-            buf = symm_mem.empty(SHOT_BYTES, dtype=torch.uint8, device=device)
-            return buf, symm_mem.rendezvous(buf, self.group_name)
-
-        self.buf, self.handle = kept(device, make)
+        self.buf: torch.Tensor | None = None  # (uint8, ``SHOT_BYTES`` or ``HOST_SHOT_BYTES``)
         self._views: dict[tuple, torch.Tensor] = {}
-        self.streams: set = set()  # the caller streams of its calls (``abort`` waits for them)
-        ops = torch.ops.symm_mem
-        self._one, self._two = ops.one_shot_all_reduce_out, ops.two_shot_all_reduce_
+        self.streams: set = set()
 
     def partial(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """This rank's buffer as a contiguous tensor of ``shape`` (at most ``SHOT_BYTES``):
-        where the matmul stores its partial product (a view made once per shape)."""
+        """This rank's buffer as a contiguous tensor of ``shape`` (at most the buffer's
+        bytes): where the matmul stores its partial product (a view made once per shape)."""
         key = (shape, dtype)
         view = self._views.get(key)
         if view is None:
@@ -118,6 +130,40 @@ class ShotTransport(Transport):
             view = self.buf[: n * dtype.itemsize].view(dtype).view(shape)
             self._views[key] = view
         return view
+
+    def close(self) -> None:
+        """Free the buffers (every rank of the group closes together)."""
+        self.buf = None
+        self._views.clear()
+
+    @property
+    def nbytes(self) -> int:
+        """Memory this transport holds on the GPU (the partials' buffer)."""
+        return self.buf.numel() if self.buf is not None else 0
+
+
+class ShotTransport(_Shot):
+    """The group's symmetric buffer (``partial``) and torch's reductions (``reduce``); one
+    per (group, device) of road "peer"."""
+
+    name, road = "shot", "peer"
+
+    def __init__(self, group: dist.ProcessGroup | None, device: torch.device) -> None:
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        super().__init__(group, device)
+        self.group_name = (group if group is not None else dist.group.WORLD).group_name
+        with warnings.catch_warnings():  # needed by older torch, deprecated by newer
+            warnings.simplefilter("ignore")
+            symm_mem.enable_symm_mem_for_group(self.group_name)
+
+        def make() -> tuple:
+            buf = symm_mem.empty(SHOT_BYTES, dtype=torch.uint8, device=device)
+            return buf, symm_mem.rendezvous(buf, self.group_name)
+
+        self.buf, self.handle = kept(device, make)
+        ops = torch.ops.symm_mem
+        self._one, self._two = ops.one_shot_all_reduce_out, ops.two_shot_all_reduce_
 
     def reduce(self, part: torch.Tensor, out: torch.Tensor, two_shot: bool) -> None:
         """``out`` = the sum over the ranks of their ``part`` (``partial``), on the current
@@ -156,10 +202,49 @@ class ShotTransport(Transport):
 
     def close(self) -> None:
         """Free the symmetric buffer (every rank of the group closes together)."""
-        self.buf = self.handle = None
-        self._views.clear()
+        super().close()
+        self.handle = None
+
+
+class HostShotTransport(_Shot):
+    """The latency all-reduce without P2P (``gemm/shot.py``): the group's pinned host buffer
+    (every rank's region: flags, abort word, two slots of ``HOST_SHOT_BYTES``), this rank's
+    device buffer for its partial (``partial``) and its counts of calls (``state``); one per
+    (group, device) of road "host". The engine launches the kernel with ``regions``,
+    ``state``, ``slot_bytes`` and ``rank`` (no Triton in ``comm``)."""
+
+    name, road = "host-shot", "host"
+
+    def __init__(self, group: dist.ProcessGroup | None, device: torch.device) -> None:
+        super().__init__(group, device)
+        R = dist.get_world_size(group)
+        self.slot_bytes = HOST_SHOT_BYTES
+        region = -(-shot_region_bytes(self.slot_bytes) // 4096) * 4096  # (page-aligned)
+        self.region = region
+        self.mapping, base = map_shared(group, self.rank, region * R, ("host-shot", region))
+        addresses = [base + q * region for q in range(R)]
+        self.regions = torch.tensor(addresses, dtype=torch.int64, device=device)
+        self.state = torch.zeros(SHOT_STATE, dtype=torch.int32, device=device)
+        self.buf = kept(device, lambda: torch.empty(HOST_SHOT_BYTES, dtype=torch.uint8,
+                                                    device=device))  # fmt: skip
+
+    def abort(self) -> None:
+        """Set this rank's abort word in host memory (a host store: no stream needed): every
+        wait of its kernels ends, queued calls too (their results are garbage)."""
+        if self.mapping is not None:
+            host = self.mapping[2] + self.rank * self.region + SHOT_ABORT
+            ctypes.c_int32.from_address(host).value = 1
+
+    def close(self) -> None:
+        """Unmap the host buffer and free the device buffers."""
+        super().close()
+        if self.mapping is not None:
+            unmap(self.mapping)
+            self.mapping = None
+        self.regions = self.state = None
 
     @property
     def nbytes(self) -> int:
-        """Memory this transport holds (the symmetric buffer on this GPU)."""
-        return self.buf.numel() if self.buf is not None else 0
+        """Memory this transport holds: the host buffer (every rank's region) and the
+        partials' buffer on the GPU."""
+        return super().nbytes + (self.mapping[3] if self.mapping is not None else 0)

@@ -21,11 +21,13 @@ signature the memo holds with the plain path skips stages 1-4 (``plain_again``: 
 passed for the same values; validation mode keeps no memo): the host time of a product too
 small to overlap stays near torch's own.
 
-An all-reduce of at most ``comm.shot.SHOT_BYTES`` on a group whose GPUs map each other's
-memory (road "peer"), ``backend="auto"``, bf16 or fp32, no ``chunks``, takes the plain path
-with the latency all-reduce (``_shot``: the product stored into the group's symmetric buffer,
-torch's one-shot or two-shot kernel, ``Plan.transport`` "one-shot" / "two-shot"), also where
-the call would otherwise overlap (``comm/shot.py``'s crossovers).
+An all-reduce small enough for the latency all-reduce (``comm.shot.kind``), ``backend="auto"``,
+no ``chunks``, takes the plain path with it (``_shot``), also where the call would otherwise
+overlap (``comm/shot.py``'s crossovers): on a group whose GPUs map each other's memory (road
+"peer"), bf16 or fp32 up to ``comm.shot.SHOT_BYTES``, the product stored into the group's
+symmetric buffer and torch's one-shot or two-shot kernel (``Plan.transport`` "one-shot" /
+"two-shot"); without P2P (road "host"), up to ``comm.shot.HOST_SHOT_BYTES``, the library's
+one-shot kernel through the pinned host buffer (``gemm/shot.py``, "host one-shot").
 
 The direction decides 5-7: a collective *after* the matmul (``run_after``: the kernel
 produces, the transport moves) or *before* it (``run_before``: the transport gathers, cuBLAS
@@ -59,7 +61,7 @@ import torch.distributed as dist
 
 from .. import comm, guard, stats
 from ..collectives import collective
-from ..comm import ShotTransport, TorchTransport, Transport, shot
+from ..comm import TorchTransport, Transport, shot
 from ..context import Context, calls, context, tuned, tuned_key
 from ..plan import (
     GatherPlan,
@@ -133,15 +135,14 @@ def _decide(x, w, name, group, chunks, backend, capturing: bool):
     ctx = context(group, x.device)  # (ctx.group: None resolved to the default group)
     road = comm.road(ctx.group, x.device, capturing) if x.is_cuda else None  # a collective, once
     choice = tuned(ctx, tuned_key(M, N, K, x.dtype, name)) if chunks is None else None
-    # The latency all-reduce (comm/shot.py) where the group's GPUs map each other's memory,
-    # decided before anything of this rank's own (K) can send it elsewhere than its peers; a
-    # tuned "plain" is it (overlap.tune times "plain" through the tuned choices), a tuned chunk
-    # count is not.
-    if spec.replicated and road == ShotTransport.road and backend == "auto" and chunks is None \
-            and type(choice) is not int and x.dtype in shot.DTYPES:  # fmt: skip
-        kind = shot.kind(M * N * x.element_size())
-        if kind is not None and capturing and comm.shared(ShotTransport, ctx.group, x.device) \
-                is None:  # fmt: skip
+    # The latency all-reduce (comm/shot.py: over the GPUs' mapped memory, or through the
+    # pinned host buffer without P2P), decided before anything of this rank's own (K) can send
+    # it elsewhere than its peers; a tuned "plain" is it (overlap.tune times "plain" through
+    # the tuned choices), a tuned chunk count is not.
+    if spec.replicated and backend == "auto" and chunks is None and type(choice) is not int:
+        kind = shot.kind(M * N * x.element_size(), x.dtype, road)
+        if kind is not None and capturing and \
+                comm.shared(shot.transport(kind), ctx.group, x.device) is None:  # fmt: skip
             kind = None  # (a capture cannot map its buffer: an eager call makes it)
         if kind is not None:  # (in place of an overlapped call too: comm/shot.py's crossovers)
             why = f"{kind} all-reduce: its transfer is shorter than an overlapped call's cost"
@@ -263,7 +264,7 @@ def _watch(ctx: Context, cls, p: Plan | GatherPlan, x: torch.Tensor, capturing: 
         return contextlib.nullcontext()
     if p.path != "overlap":  # the plain path: the caller stream, the group's own collectives
         s = torch.cuda.current_stream(x.device)  # (or the latency all-reduce's)
-        cls = ShotTransport if p.transport in shot.KINDS else TorchTransport
+        cls = shot.transport(p.transport) if p.transport in shot.KINDS else TorchTransport
     else:
         s = ctx.comm_stream
     return guard.Watch(s, lambda why: ctx.transport(cls).fail(why), p.describe())
@@ -483,11 +484,12 @@ def plain(x, w, out, p: Plan, scale: float | None, group, shape, ctx=None) -> to
 
 
 def _shot(x, w, out, p: Plan, scale: float | None, ctx: Context, shape) -> torch.Tensor:
-    """``x @ w`` stored into this rank's buffer of the group's ``ShotTransport``, then its
-    one-shot or two-shot all-reduce (``p.transport``) into ``out`` on the caller stream; an
-    eager call is watched (``_issued``)."""
+    """``x @ w`` stored into this rank's buffer of the group's latency all-reduce transport
+    (``comm.shot.transport(p.transport)``), then its reduction into ``out`` on the caller
+    stream: torch's one-shot or two-shot kernel, or the library's through host memory
+    (``gemm/shot.py``); an eager call is watched (``_issued``)."""
     cap = torch.cuda.is_current_stream_capturing()
-    t = ctx.transport(ShotTransport, cap)  # (made by the first call: a collective)
+    t = ctx.transport(shot.transport(p.transport), cap)  # (made by the first call: a collective)
     t.streams.add(ctx.caller)
     part = t.partial(shape, x.dtype)
     torch.matmul(x, w, out=part)
@@ -496,7 +498,13 @@ def _shot(x, w, out, p: Plan, scale: float | None, ctx: Context, shape) -> torch
     if out is None:
         out = torch.empty(shape, dtype=x.dtype, device=x.device)
     with _on_device(x):
-        t.reduce(part, out, p.transport == "two-shot")
+        if p.transport == "host one-shot":
+            from ..gemm.shot import host_shot_all_reduce  # Triton: imported on first use
+
+            host_shot_all_reduce(part.view(-1), out.view(-1), t.regions, t.state,
+                                 t.slot_bytes, t.rank)  # fmt: skip
+        else:
+            t.reduce(part, out, p.transport == "two-shot")
     if not (cap or guard.validating()):  # (validation mode watches the call itself)
         _issued(t, ctx, p)
     return out
