@@ -34,6 +34,7 @@ QUICK = (
     "tests/test_kernel.py::test_nan_and_inf_land_where_the_product_has_them",
     "tests/test_kernel.py::test_counter_short_of_its_target_raises",
     "tests/test_kernel.py::test_kernel_alone_is_the_calls_kernel",
+    "tests/test_kernel.py::test_a_launch_names_every_kernel_argument",
     "tests/test_transport.py::test_all_gather_protocol",
     "tests/test_distributed.py::test_two_ranks_all_collectives[float32]",
     "tests/test_autograd.py::test_backward_single_process_matches_torch",

@@ -616,12 +616,12 @@ def _launch_memo(rank, R, seed):
     seen, failures = [], []
     real = mm._launch
 
-    def spy(grid, args, consts, warps, stages):
-        k = real(grid, args, consts, warps, stages)
+    def spy(grid, a, warps, stages):
+        k = real(grid, a, warps, stages)
         kern = mm._chunked_matmul_kernel
         cache, key_cache, _, _, binder = kern.device_caches[torch.cuda.current_device()]
         mode = knobs.compilation.instrumentation_mode  # the JIT's run adds these two
-        _, spec, opts = binder(*args, **consts, num_warps=warps, num_stages=stages,
+        _, spec, opts = binder(**a, num_warps=warps, num_stages=stages,
                                debug=kern.debug or knobs.runtime.debug,
                                instrumentation_mode=mode)  # fmt: skip
         seen.append(cache.get(compute_cache_key(key_cache, spec, opts)) is k)
