@@ -13,7 +13,7 @@ A transport moves the chunks of a plan between the ranks of a group. An overlapp
    it reads from ``slots`` (``wait`` orders the stream after chunk ``c``'s tiles; the copy
    engines call ``wait(c, ops)`` with their ``signal.wait.StreamOps`` of ``stream``, and the
    wait joins its batch);
-3. ``fail(why)`` when validation mode's watch or the watchdog (``overlap/guard.py``) times
+3. ``fail(why)`` when validation mode's watch or the watchdog (``overlap/guard``) times
    out (a peer died or stopped mid-call): ``abort()``, and later calls raise ``why``;
 4. ``close()`` when the context is released (``overlap.release``).
 
