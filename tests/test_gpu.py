@@ -1129,8 +1129,8 @@ def _moving(rank, R, seed, device="cuda"):
     reading ``x``) and bf16 (``x`` through a TMA descriptor): every call against float64,
     outputs poisoned with NaN, earlier inputs and outputs kept alive (a graph not pointed at
     the new ones reads valid, wrong data), and every call from the fourth of a shape on
-    replayed (``ops/_rebind.py``; else the case tests nothing); all-gathers the same way,
-    every call from the fourth of a record on an updated graph (``ops/record.py``); then a
+    replayed (``graphs/rebind.py``; else the case tests nothing); all-gathers the same way,
+    every call from the fourth of a record on an updated graph (``graphs/record.py``); then a
     call like the replayed ones with an ``out`` that aliases ``x`` or lies on the CPU must
     raise (a record's key holds no address or device of its outputs). ``device="cpu"``: the
     same calls on CPU ranks, not recorded (tests/test_cache_keys.py)."""

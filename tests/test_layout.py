@@ -67,6 +67,9 @@ LAYERS = (
     ("overlap.state",),
     ("overlap.comm",),
     ("overlap.context",),
+    ("overlap.graphs.rebind",),
+    ("overlap.graphs.record",),
+    ("overlap.graphs",),
     ("overlap.ops",),
     ("overlap.nn",),
     ("overlap.tuner",),
@@ -93,6 +96,14 @@ def test_no_import_runs_back_up():
         assert not up, f"{m} (layer {_layer(m)}) imports {sorted(up)}, above it"
 
 
+def test_graphs_are_reached_through_their_package():
+    """Outside ``overlap/graphs/`` the package imports the names of ``overlap.graphs``, never
+    its modules (recording and rebinding stay behind them)."""
+    for m, names in _graph().items():
+        bad = {n for n in names if n.startswith("overlap.graphs.")}
+        assert m.startswith("overlap.graphs") or not bad, f"{m} imports {sorted(bad)}"
+
+
 def test_layers_import_what_they_may():
     graph = {m: _imports(p) for m, p in ((_module(p), p) for p in PKG.rglob("*.py"))}
     kernel_free = [m for m in graph if m.startswith("overlap.comm")]
@@ -111,7 +122,7 @@ def test_layers_import_what_they_may():
 
 def test_nothing_outside_ops_imports_its_private_modules():
     """``overlap.ops._*`` are the ops' own: the rest of the package and the tools import what
-    ``overlap.ops`` exports, or its public modules (``engine``, ``record``)."""
+    ``overlap.ops`` exports, or its public modules (``engine``)."""
     tools = PKG.parent / "tools"
     paths = [p for p in PKG.rglob("*.py") if p.parent.name != "ops"] + list(tools.glob("*.py"))
     for path in paths:

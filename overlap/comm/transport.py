@@ -103,7 +103,7 @@ class Transport:
       stream, whose buffers an eager call sizes: a call captured in a CUDA graph needs
       ``fits`` (a capture cannot grow them), and calls of two streams are serialized;
     - ``recorded``: a repeated eager call is recorded into a CUDA graph and replayed
-      (``overlap/ops/record.py``);
+      (``overlap/graphs/record.py``);
     - ``watched``: with validation off, ``guard.watchdog`` watches its calls in flight (torch
       watches its own collectives). Such a transport has ``group`` and ``device``;
     - ``covers``: the backward's weight gradient is issued inside its calls, where the caller
