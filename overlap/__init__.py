@@ -5,8 +5,10 @@ optional backends are imported on first use.
 
 Layers (each knows only those below it): ``plan`` and ``collectives`` (pure Python),
 ``contract`` (what kernel and copy-engine transports agree on), ``signal`` (counters, stream
-waits), ``gemm`` (Triton kernels), ``comm`` (transports, no Triton), ``context`` (per group,
-device and stream state), ``ops`` (the public calls), ``nn`` (tensor-parallel layers),
+waits), ``gemm`` (Triton kernels), ``guard`` (validation mode and the watchdog), ``state``
+(per group and device state), ``comm`` (transports, no Triton), ``context`` (per group,
+device and stream state), ``graphs`` (recorded calls' CUDA graphs), ``ops`` (the public
+calls), ``nn`` (tensor-parallel layers),
 ``tuner`` and ``bench`` on top; ``stats`` counts the paths the calls took.
 """
 

@@ -54,7 +54,7 @@ class Context:
             self.comm_stream = torch.cuda.Stream(device, priority=highest)
         self._transports: dict[type, Transport] = {}
         self._counters: torch.Tensor | None = None
-        # where this stream's recorded calls are captured into CUDA graphs (ops/record.py)
+        # where this stream's recorded calls are captured into CUDA graphs (graphs/record.py)
         self.record_stream: torch.cuda.Stream | None = None
 
     @property
@@ -99,10 +99,10 @@ class Context:
 
 
 # What an eager call's arguments were decided to run (ops/engine.py ``Known``), by the call's
-# signature (ops/record.py): kept once a call passed the checks and was planned, forgotten when
+# signature (graphs/record.py): kept once a call passed the checks and was planned, forgotten when
 # the road, the tuned choices or the transports' buffers change.
 calls: dict[tuple, object] = {}
-# Recorded eager calls (ops/record.py), least recent first: (call signature, outputs) ->
+# Recorded eager calls (graphs/record.py), least recent first: (call signature, outputs) ->
 # Record. Forgotten with the calls (the graphs hold the transports' addresses).
 records: OrderedDict[tuple, object] = OrderedDict()
 

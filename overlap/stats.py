@@ -4,7 +4,7 @@ kept calls off the overlapped path.
 Every call of a public op counts once (``count``) under the op's name (the function the user
 called; a backward's overlapped input gradient under the op that computes it), keyed by what
 ran: ``"overlap via ce"``,
-``"overlap via torch"``, ``"replayed via ce"`` (a recorded call, ``ops/record.py``),
+``"overlap via torch"``, ``"replayed via ce"`` (a recorded call, ``graphs/record.py``),
 ``"updated via ce"`` (a recorded call at new addresses, its graph updated) or
 ``"plain: <reason>"``. ``overlap.stats()`` returns the counts since the last reset.
 

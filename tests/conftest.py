@@ -30,10 +30,12 @@ QUICK = (
     "tests/test_errors.py",
     "tests/test_install.py",
     "tests/test_layout.py::test_no_import_cycles",
+    "tests/test_layout.py::test_no_import_runs_back_up",
     "tests/test_layout.py::test_layers_import_what_they_may",
     "tests/test_kernel.py::test_nan_and_inf_land_where_the_product_has_them",
     "tests/test_kernel.py::test_counter_short_of_its_target_raises",
     "tests/test_kernel.py::test_kernel_alone_is_the_calls_kernel",
+    "tests/test_kernel.py::test_a_launch_names_every_kernel_argument",
     "tests/test_transport.py::test_all_gather_protocol",
     "tests/test_distributed.py::test_two_ranks_all_collectives[float32]",
     "tests/test_autograd.py::test_backward_single_process_matches_torch",
@@ -52,7 +54,7 @@ QUICK = (
     "tests/test_tuner.py::test_tune_rejects_bad_candidates",
     "tests/test_tuner.py::test_tune_refuses_graph_capture",
     "tests/test_tuner.py::test_the_cache_key_holds_what_changes_the_timing",
-    # validation and the watchdog (guard.py)
+    # validation and the watchdog (overlap/guard)
     "tests/test_validation.py::test_every_fingerprint_field_is_caught_before_launch",
     "tests/test_validation.py::test_configure_rejects_bad_arguments",
     "tests/test_validation.py::test_watch_releases_a_host_held_in_the_issue",

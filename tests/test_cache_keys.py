@@ -1,12 +1,12 @@
 """Cache keys: every field that changes a call's result is in its key.
 
-- The calls' memo (``context.calls``, keyed by ``ops.record.signature`` in
+- The calls' memo (``context.calls``, keyed by ``graphs.signature`` in
   ``ops.engine.decide``): on 2 gloo ranks, calls that differ from a first one in one field
   only (dtype, M, K, N, chunks, backend, collective, group and its world size, a tuned choice
   for another group of the same size)
   each get the plan a fresh process makes (the cache forgotten), which differs from the first
   call's; and a real call after another of another dtype computes right.
-- The recorded calls' key (``ops.record.signature`` and ``outputs``): every argument, the
+- The recorded calls' key (``graphs.signature`` and ``outputs``): every argument, the
   caller stream, the weight's address, and the input's and outputs' dtypes, shapes, strides
   and alignment, but not their addresses (the graph is rebound to them), tried
   here on CPU tensors seen as CUDA ones (only CUDA calls are recorded); the calls themselves
@@ -25,7 +25,7 @@ from _dist import TOL, mismatch, spawn
 import overlap
 from overlap import guard
 from overlap.context import forget, set_tuned, tuned_key
-from overlap.ops import record
+from overlap.graphs import record
 from overlap.ops.engine import decide
 
 BASE = dict(M=256, K=40, N=48, dtype=torch.float32, collective="all_reduce", chunks=4,
@@ -171,7 +171,7 @@ def test_record_signature_has_every_field(monkeypatch):
     assert sig(x=half.view(M, K)) != sig(x=bf16.view(M, K)), "x's dtype is not in the signature"
     assert sig(x=x.clone()) == base, "x's address is in the key: a moved input never replays"
     out = torch.empty(M, N)
-    assert record.outputs(out.clone()) == record.outputs(out)  # (rebound: ops/_rebind.py)
+    assert record.outputs(out.clone()) == record.outputs(out)  # (rebound: graphs/rebind.py)
     outs = {
         "alignment": record.outputs(torch.empty(M * N + 1)[1:].view(M, N)),
         "strides": record.outputs(torch.empty(N, M).t()),

@@ -617,12 +617,12 @@ def _launch_memo(rank, R, seed):
     seen, failures = [], []
     real = mm._launch
 
-    def spy(grid, args, consts, warps, stages):
-        k = real(grid, args, consts, warps, stages)
+    def spy(grid, a, warps, stages):
+        k = real(grid, a, warps, stages)
         kern = mm._chunked_matmul_kernel
         cache, key_cache, _, _, binder = kern.device_caches[torch.cuda.current_device()]
         mode = knobs.compilation.instrumentation_mode  # the JIT's run adds these two
-        _, spec, opts = binder(*args, **consts, num_warps=warps, num_stages=stages,
+        _, spec, opts = binder(**a, num_warps=warps, num_stages=stages,
                                debug=kern.debug or knobs.runtime.debug,
                                instrumentation_mode=mode)  # fmt: skip
         seen.append(cache.get(compute_cache_key(key_cache, spec, opts)) is k)
@@ -1130,8 +1130,8 @@ def _moving(rank, R, seed, device="cuda"):
     reading ``x``) and bf16 (``x`` through a TMA descriptor): every call against float64,
     outputs poisoned with NaN, earlier inputs and outputs kept alive (a graph not pointed at
     the new ones reads valid, wrong data), and every call from the fourth of a shape on
-    replayed (``ops/_rebind.py``; else the case tests nothing); all-gathers the same way,
-    every call from the fourth of a record on an updated graph (``ops/record.py``); then a
+    replayed (``graphs/rebind.py``; else the case tests nothing); all-gathers the same way,
+    every call from the fourth of a record on an updated graph (``graphs/record.py``); then a
     call like the replayed ones with an ``out`` that aliases ``x`` or lies on the CPU must
     raise (a record's key holds no address or device of its outputs). ``device="cpu"``: the
     same calls on CPU ranks, not recorded (tests/test_cache_keys.py)."""

@@ -133,6 +133,24 @@ def test_part_needs_an_epilogue_and_a_known_name(part):
                            counters, bp, epilogue=epi, part=part)  # fmt: skip
 
 
+def test_a_launch_names_every_kernel_argument():
+    """The kernel's signature is the one list of its parameters (constexprs last): a launch
+    names each of them, and one missing or unknown raises before anything is launched."""
+    from overlap.gemm import matmul as mm
+
+    names = mm._NAMES
+    assert names[mm._N_ARGS] == "RUNS" and names[-1] == "ASM_BARRIER"
+    a = {n: i for i, n in enumerate(names)}
+    assert mm._values(a) == tuple(range(len(names)))  # the signature's order
+    a.pop("hi")
+    with pytest.raises(TypeError, match=r"missing \['hi'\], unknown \[\]"):
+        mm._values(a)
+    with pytest.raises(TypeError, match=r"missing \[\], unknown \['n_tiles'\]"):
+        mm._values({**a, "hi": 0, "n_tiles": 0})
+    with pytest.raises(TypeError, match=r"missing \['hi'\], unknown \['n_tiles'\]"):
+        mm._values({**a, "n_tiles": 0})
+
+
 def test_counter_short_of_its_target_raises():
     """On CPU a counter left short of its tile count (tiles lost) raises, never passes."""
     p = make_plan(

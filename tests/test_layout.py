@@ -52,6 +52,58 @@ def _graph() -> dict[str, set[str]]:
     return {m: {n for n in _imports(p) if n in files and n != m} for m, p in files.items()}
 
 
+# The package's layers, lowest first: a module imports only modules of its own layer or below
+# (within a layer, test_no_import_cycles keeps the imports one way). A module belongs to the
+# entry that names it or the package nearest above it; "overlap" is the package's own
+# __init__ alone.
+LAYERS = (
+    ("overlap.plan", "overlap.collectives", "overlap.stats"),
+    ("overlap.contract",),
+    ("overlap.signal",),
+    ("overlap.gemm",),
+    ("overlap.guard.settings", "overlap.guard.groups"),
+    ("overlap.guard.agreement", "overlap.guard.watch", "overlap.guard.watchdog"),
+    ("overlap.guard",),
+    ("overlap.state",),
+    ("overlap.comm",),
+    ("overlap.context",),
+    ("overlap.graphs.rebind",),
+    ("overlap.graphs.record",),
+    ("overlap.graphs",),
+    ("overlap.ops",),
+    ("overlap.nn",),
+    ("overlap.tuner",),
+    ("overlap.bench", "overlap"),
+)
+
+
+def _layer(m: str) -> int:
+    level = {name: i for i, names in enumerate(LAYERS) for name in names}
+    if m == "overlap":
+        return level[m]
+    parts = m.split(".")
+    for k in range(len(parts), 1, -1):
+        if ".".join(parts[:k]) in level:
+            return level[".".join(parts[:k])]
+    raise AssertionError(f"{m} is in no layer of LAYERS")
+
+
+def test_no_import_runs_back_up():
+    """Every module of the package is in a layer of ``LAYERS`` and imports nothing above it."""
+    graph = _graph()
+    for m, names in graph.items():
+        up = {n for n in names if _layer(n) > _layer(m)}
+        assert not up, f"{m} (layer {_layer(m)}) imports {sorted(up)}, above it"
+
+
+def test_graphs_are_reached_through_their_package():
+    """Outside ``overlap/graphs/`` the package imports the names of ``overlap.graphs``, never
+    its modules (recording and rebinding stay behind them)."""
+    for m, names in _graph().items():
+        bad = {n for n in names if n.startswith("overlap.graphs.")}
+        assert m.startswith("overlap.graphs") or not bad, f"{m} imports {sorted(bad)}"
+
+
 def test_layers_import_what_they_may():
     graph = {m: _imports(p) for m, p in ((_module(p), p) for p in PKG.rglob("*.py"))}
     kernel_free = [m for m in graph if m.startswith("overlap.comm")]
@@ -70,7 +122,7 @@ def test_layers_import_what_they_may():
 
 def test_nothing_outside_ops_imports_its_private_modules():
     """``overlap.ops._*`` are the ops' own: the rest of the package and the tools import what
-    ``overlap.ops`` exports, or its public modules (``engine``, ``record``)."""
+    ``overlap.ops`` exports, or its public modules (``engine``)."""
     tools = PKG.parent / "tools"
     paths = [p for p in PKG.rglob("*.py") if p.parent.name != "ops"] + list(tools.glob("*.py"))
     for path in paths:

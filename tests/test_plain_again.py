@@ -24,7 +24,8 @@ import torch.distributed as dist
 from _dist import TOL, mismatch, spawn
 
 import overlap
-from overlap.ops import dense, engine, record
+from overlap import graphs
+from overlap.ops import dense, engine
 
 OPS = ("all_reduce", "reduce_scatter", "all_to_all")
 
@@ -132,7 +133,7 @@ def test_checks_after_a_memo_hit():
 def _overlapped_once(rank, R, seed):
     """Eager overlapped calls (sum and avg, new ``x`` each): right results, one signature
     each, counted as overlapped."""
-    failures, made, orig = [], [0], record.signature
+    failures, made, orig = [], [0], graphs.signature
 
     def counted(*a):
         made[0] += 1
@@ -140,7 +141,7 @@ def _overlapped_once(rank, R, seed):
 
     overlap.stats(reset=True)
     w = torch.randn(64, 32, generator=torch.Generator().manual_seed(seed))
-    record.signature = counted
+    graphs.signature = counted
     try:
         for i, red in enumerate(("sum", "avg", "sum")):
             xs = [torch.randn(64, 64, generator=torch.Generator().manual_seed(seed + 10 * i + r))
@@ -151,7 +152,7 @@ def _overlapped_once(rank, R, seed):
             if msg:
                 failures.append(f"call {i} ({red}): {msg}")
     finally:
-        record.signature = orig
+        graphs.signature = orig
     if made[0] != 3:
         failures.append(f"{made[0]} signatures made for 3 calls")
     paths = overlap.stats().get("matmul_allreduce", {})

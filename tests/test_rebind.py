@@ -1,6 +1,6 @@
-"""``ops/_rebind.py`` on CPU: reading a tensor map's base address back (the map encoded by a
+"""``graphs/rebind.py`` on CPU: reading a tensor map's base address back (the map encoded by a
 stand-in for ``cuTensorMapReplaceAddress``, whose layout is the driver's secret) and the
-memory span of a strided tensor (``_checks.span``). Binding a real graph needs a GPU:
+memory span of a strided tensor (``graphs.span``). Binding a real graph needs a GPU:
 tests/test_gpu.py (``test_recorded_moving_one_gpu``: inputs and outputs at new addresses
 every call)."""
 
@@ -11,8 +11,7 @@ import random
 import pytest
 import torch
 
-from overlap.ops import _rebind
-from overlap.ops._checks import span
+from overlap.graphs import rebind, span
 
 
 def _encoder(shift: int, spread: bool = False):
@@ -34,21 +33,21 @@ def _encoder(shift: int, spread: bool = False):
 @pytest.mark.parametrize("shift", [0, 64, 301])
 def test_map_base_read_back(shift, monkeypatch):
     """A map's base is read back exactly, whatever bits of the map hold it."""
-    monkeypatch.setattr(_rebind, "_bits", [])
-    monkeypatch.setattr(_rebind, "_replace", _encoder(shift))
+    monkeypatch.setattr(rebind, "_bits", [])
+    monkeypatch.setattr(rebind, "_replace", _encoder(shift))
     rng = random.Random(shift)
     for _ in range(20):
         address = rng.randrange(1 << 44) << 4
         noise = rng.randrange(1 << 1024).to_bytes(128, "little")
-        assert _rebind._map_base(_encoder(shift)(noise, address)) == address
+        assert rebind._map_base(_encoder(shift)(noise, address)) == address
 
 
 def test_map_base_refuses_other_encodings(monkeypatch):
     """An encoding that is not one map bit per address bit is not read (None): a wrong base
     would leave a moved tensor's map pointing at the old memory."""
-    monkeypatch.setattr(_rebind, "_bits", [])
-    monkeypatch.setattr(_rebind, "_replace", _encoder(64, spread=True))
-    assert _rebind._map_base(_encoder(64, spread=True)(bytes(128), 0x7F12_3456_7890)) is None
+    monkeypatch.setattr(rebind, "_bits", [])
+    monkeypatch.setattr(rebind, "_replace", _encoder(64, spread=True))
+    assert rebind._map_base(_encoder(64, spread=True)(bytes(128), 0x7F12_3456_7890)) is None
 
 
 CASES = [((6, 4), (4, 1)), ((6, 4), (1, 6)), ((3, 5, 2), (20, 2, 1)), ((4, 0), (1, 1)),

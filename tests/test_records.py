@@ -1,4 +1,4 @@
-"""``ops/record.py``'s decisions on CPU, with stand-ins for CUDA graphs and the driver: which
+"""``graphs/record.py``'s decisions on CPU, with stand-ins for CUDA graphs and the driver: which
 call of a record runs eagerly, is captured, replays a graph, or updates one, as the tensors'
 addresses move. The graphs themselves, and what they compute after an update, need a GPU:
 tests/test_gpu.py (``test_recorded_moving_one_gpu``)."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from overlap import context
-from overlap.ops import _rebind, record
+from overlap.graphs import rebind, record
 
 
 class _Graph:
@@ -53,13 +53,13 @@ def sim(monkeypatch):
 
     def update(graph, source):
         if state["refuse"]:
-            raise _rebind.DriverError("refused")
+            raise rebind.DriverError("refused")
         assert graph.instantiated and not source.instantiated
         log.append(("update", graph.at, source.at))
         graph.at = source.at
 
     monkeypatch.setattr(record, "_captured", captured)
-    monkeypatch.setattr(_rebind, "update", update)
+    monkeypatch.setattr(rebind, "update", update)
     ctx, key = _Ctx(), ("sig", "outputs")
 
     def call(at, rebound=False):

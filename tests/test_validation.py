@@ -460,10 +460,10 @@ def test_a_default_group_made_again(tmp_path):
 def test_configure_rejects_bad_arguments(kw, exc):
     from overlap import guard
 
-    before = dict(guard._settings)
+    before = dict(guard.settings._settings)
     with pytest.raises(exc, match=next(iter(kw))):
         overlap.configure(**kw)
-    assert guard._settings == before
+    assert guard.settings._settings == before
     overlap.configure(timeout=7)
     assert guard.timeout() == 7.0
     overlap.configure(**before)

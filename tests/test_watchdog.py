@@ -50,10 +50,10 @@ class _Plan:
 @pytest.fixture
 def timeout():
     """``configure(timeout=0.3)`` for the test, the setting as it was afterwards."""
-    keep = guard._settings["timeout"]
-    guard._settings["timeout"] = 0.3
+    keep = guard.settings._settings["timeout"]
+    guard.settings._settings["timeout"] = 0.3
     yield 0.3
-    guard._settings["timeout"] = keep
+    guard.settings._settings["timeout"] = keep
 
 
 def test_a_stuck_call_fails_its_transport_and_raises_in_its_thread(timeout):
@@ -157,10 +157,10 @@ def test_the_timeout_is_the_process_groups_unless_configured():
     import os
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29400 + os.getpid() % 500))
-    keep = guard._settings["timeout"]
+    keep = guard.settings._settings["timeout"]
     dist.init_process_group("gloo", rank=0, world_size=1, timeout=timedelta(seconds=42))
     try:
-        guard._settings["timeout"] = None
+        guard.settings._settings["timeout"] = None
         sub = dist.new_group([0], timeout=timedelta(seconds=7))
         dog, cpu = guard.Watchdog(), torch.device("cpu")
         dog.thread = threading.current_thread()  # (no thread: its call never finishes)
@@ -173,5 +173,5 @@ def test_the_timeout_is_the_process_groups_unless_configured():
         guard.configure(timeout=2)
         assert dog.limit(t) == 2
     finally:
-        guard._settings["timeout"] = keep
+        guard.settings._settings["timeout"] = keep
         dist.destroy_process_group()

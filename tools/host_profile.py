@@ -18,8 +18,8 @@ and its graph's bare replay alternating in the same rounds (their medians drift 
 timed minutes apart), after other work, at once and in turn; and torch's calls and the
 library's without ``out=`` alternating in bursts (the plain path's cost over torch's). Calls
 repeat their arguments, so copy-engine calls replay their recorded graphs
-(``ops/record.py``); ``--distinct`` lets the library keep one record
-(``ops.record.MAX_RECORDS = 1``) and alternates two outputs, so every call is issued in
+(``graphs/record.py``); ``--distinct`` lets the library keep one record
+(``graphs.record.MAX_RECORDS = 1``) and alternates two outputs, so every call is issued in
 full.
 
 ``--one-gpu``: both ranks on GPU 0 over gloo (a machine with one GPU; the overlapped call
@@ -116,12 +116,12 @@ def main() -> None:
         else:
             dist.all_to_all_single(torch.empty_like(y), y)
 
-    import overlap.ops.record
+    import overlap.graphs.record
 
     # --distinct: the library keeps one record and calls alternate two outputs, so each call
     # evicts the other's record and every call is a first sighting, issued in full
     if args.distinct:
-        overlap.ops.record.MAX_RECORDS = 1
+        overlap.graphs.record.MAX_RECORDS = 1
     ring = itertools.cycle([out, torch.empty_like(out)] if args.distinct else [out])
 
     def ovl(o=None):

@@ -41,11 +41,16 @@ KINDS = ("ar", "ce")
 _TY = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.int32: "i32"}
 
 
-def _signature(kernel, args: tuple, consts: dict) -> tuple[dict, dict, dict]:
-    """``(signature, constexprs, attrs)`` for ``ASTSource`` from a launch's arguments."""
-    sig, cst, attrs = {}, dict(consts), {}
-    for i, (name, a) in enumerate(zip(kernel.arg_names, args, strict=False)):
-        if isinstance(a, TensorDescriptor):
+def _signature(kernel, args: dict) -> tuple[dict, dict, dict]:
+    """``(signature, constexprs, attrs)`` for ``ASTSource`` from a launch's arguments (by
+    name)."""
+    consts = {p.name for p in kernel.params if p.is_constexpr}
+    sig, cst, attrs = {}, {n: args[n] for n in kernel.arg_names if n in consts}, {}
+    for i, name in enumerate(kernel.arg_names):
+        a = args[name]
+        if name in consts:
+            sig[name] = "constexpr"
+        elif isinstance(a, TensorDescriptor):
             sig[name] = f"tensordesc<{_TY[a.base.dtype]}{list(a.block_shape)}>"
         elif isinstance(a, torch.Tensor):
             sig[name] = "*" + _TY[a.dtype]
@@ -58,8 +63,6 @@ def _signature(kernel, args: tuple, consts: dict) -> tuple[dict, dict, dict]:
             sig[name] = "i32" if -(2**31) <= a < 2**31 else "i64"
             if a % 16 == 0:
                 attrs[(i,)] = [["tt.divisibility", 16]]
-    for name in consts:
-        sig[name] = "constexpr"
     return sig, cst, attrs
 
 
@@ -80,8 +83,12 @@ def report(mm, kind: str, M: int, N: int, K: int, R: int, dtype: torch.dtype) ->
     seen = {}
     real_launch, real_programs = mm._launch, mm._programs
 
-    def launch(grid, args, consts, warps, stages):  # what the kernel would be launched with
-        seen.update(grid=grid, args=args, consts=consts, warps=warps, stages=stages)
+    def launch(grid, *rest):  # what the kernel would be launched with
+        if len(rest) == 4:  # older versions: (args in order, constexprs by name, ...)
+            args, consts, warps, stages = rest
+            named = dict(zip(mm._chunked_matmul_kernel.arg_names, args, strict=False))
+            rest = (named | consts, warps, stages)
+        seen.update(grid=grid, args=rest[0], warps=rest[1], stages=rest[2])
 
     mm._launch = launch
     mm._programs = lambda device: 132  # an H100's and an H200's SMs
@@ -91,7 +98,7 @@ def report(mm, kind: str, M: int, N: int, K: int, R: int, dtype: torch.dtype) ->
     finally:
         mm._launch, mm._programs = real_launch, real_programs
     kernel = mm._chunked_matmul_kernel
-    sig, cst, attrs = _signature(kernel, seen["args"], seen["consts"])
+    sig, cst, attrs = _signature(kernel, seen["args"])
     src = ASTSource(kernel, sig, constexprs=cst, attrs=attrs)
     opts = dict(num_warps=seen["warps"], num_stages=seen["stages"])
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)

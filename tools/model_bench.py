@@ -110,7 +110,7 @@ COMPILED = {"nocomm_c", "overlap_sp_c", "torch_tp", "async_tp"}
 # modes' finds the activations at new addresses: while the all-gathers' records were keyed
 # by address, a turn's first step ran them eagerly and its second captured them, and only
 # the third replayed (8B TP 4, overlap_sp training: 19.6, 21.6, 14.1 ms; 4x H100,
-# 2026-11-27); ops/record.py now replays an updated graph from the first.
+# 2026-11-27); graphs/record.py now replays an updated graph from the first.
 TURN = 3
 
 

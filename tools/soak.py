@@ -6,7 +6,7 @@ differed from float64 by 1.3e-4 where the library's result was within 6e-7; else
 memory tracked. Half the cases are issued ``REPEATS``
 times in a row with the same weight and fresh inputs, as a model's layer is: through the copy
 engines the second call records a CUDA graph and the third replays it, pointed at the new input
-and output (``ops/record.py``; an all-gather's graph is updated for them, from the call after
+and output (``graphs/record.py``; an all-gather's graph is updated for them, from the call after
 its record's first two address sets); the JSON counts the replayed and the updated calls.
 
     torchrun --nproc-per-node=2 tools/soak.py --seconds 90
@@ -240,7 +240,7 @@ def cases(rng: random.Random, cycle: int = 0, round_starts=None) -> Iterator[dic
 
 def _sample(done: int) -> dict:
     """GPU memory after ``done`` calls, with what the library keeps that may hold some of it:
-    the recorded calls (their graphs' pools: ``ops/record.py``, at most ``MAX_RECORDS``),
+    the recorded calls (their graphs' pools: ``graphs/record.py``, at most ``MAX_RECORDS``),
     the uneven exchanges' row orders (``NcclTransport.order``, a few), the transports'
     buffers; and this process's resident host memory."""
     graphs = sum(r.graph is not None for r in records.values())

@@ -13,7 +13,7 @@ A transport moves the chunks of a plan between the ranks of a group. An overlapp
    it reads from ``slots`` (``wait`` orders the stream after chunk ``c``'s tiles; the copy
    engines call ``wait(c, ops)`` with their ``signal.wait.StreamOps`` of ``stream``, and the
    wait joins its batch);
-3. ``fail(why)`` when validation mode's watch or the watchdog (``overlap/guard.py``) times
+3. ``fail(why)`` when validation mode's watch or the watchdog (``overlap/guard``) times
    out (a peer died or stopped mid-call): ``abort()``, and later calls raise ``why``;
 4. ``close()`` when the context is released (``overlap.release``).
 
@@ -103,7 +103,7 @@ class Transport:
       stream, whose buffers an eager call sizes: a call captured in a CUDA graph needs
       ``fits`` (a capture cannot grow them), and calls of two streams are serialized;
     - ``recorded``: a repeated eager call is recorded into a CUDA graph and replayed
-      (``overlap/ops/record.py``);
+      (``overlap/graphs/record.py``);
     - ``watched``: with validation off, ``guard.watchdog`` watches its calls in flight (torch
       watches its own collectives). Such a transport has ``group`` and ``device``;
     - ``covers``: the backward's weight gradient is issued inside its calls, where the caller

@@ -25,6 +25,11 @@ The main loop is a plain Triton tiled loop. What differs from a plain GEMM:
   with 128x256x64 tiles, 8 warps, 4 stages 0.980x the time (median of two runs' medians;
   faster on 48-51 of 56, worst 1.020-1.023x), with the plans' 256x128x64 tiles 0.999-1.000x
   (``gemm_ce_s13_persistent.json``, ``gemm_suite_s13_final_h200.json``).
+- Arguments: the kernel's signature is the one list of its parameters. A launch names each
+  of them (``chunked_matmul``'s dict; what the plan alone sets is made once per plan,
+  ``_fix``), ``_values`` puts them in the signature's order and raises on a missing or
+  unknown name, and ``_tile`` and ``_load_ab`` take theirs by keyword: no copy of the list
+  can be reordered silently.
 - Host cost: after the first launch of a specialization the launcher is called directly
   (``_launch``): 38-45 us per launch instead of 57-72 through Triton's JIT (H200 host).
 
@@ -32,6 +37,9 @@ This file imports no ``torch.distributed``.
 """
 
 from __future__ import annotations
+
+import inspect
+import operator
 
 import torch
 import triton
@@ -130,8 +138,9 @@ def _tile(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         a, b = _load_ab(
-            x_ref, w_ref, x_ptrs, w_ptrs, k, K, x_row0, n0, offs_k, stride_xk, stride_wk,
-            X_DESC, W_MODE, BLOCK_K,
+            x_ref=x_ref, w_ref=w_ref, x_ptrs=x_ptrs, w_ptrs=w_ptrs, k=k, K=K, x_row0=x_row0,
+            n0=n0, offs_k=offs_k, stride_xk=stride_xk, stride_wk=stride_wk, X_DESC=X_DESC,
+            W_MODE=W_MODE, BLOCK_K=BLOCK_K,
         )  # fmt: skip
         acc = tl.dot(a, b, acc, input_precision=PRECISION)  # 16-bit inputs ignore it
 
@@ -146,8 +155,9 @@ def _tile(
             ieee = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for k in range(0, tl.cdiv(K, BLOCK_K)):
                 a, b = _load_ab(
-                    x_ref, w_ref, x_ptrs, w_ptrs, k, K, x_row0, n0, offs_k, stride_xk,
-                    stride_wk, X_DESC, W_MODE, BLOCK_K,
+                    x_ref=x_ref, w_ref=w_ref, x_ptrs=x_ptrs, w_ptrs=w_ptrs, k=k, K=K,
+                    x_row0=x_row0, n0=n0, offs_k=offs_k, stride_xk=stride_xk,
+                    stride_wk=stride_wk, X_DESC=X_DESC, W_MODE=W_MODE, BLOCK_K=BLOCK_K,
                 )  # fmt: skip
                 ieee = tl.dot(a, b, ieee, input_precision="tf32")
             acc = tl.where((bad_r[:, None] + bad_c[None, :]) > 0, ieee, acc)
@@ -225,48 +235,65 @@ def _chunked_matmul_kernel(
     out_ptr, recv_ref, flags_ptr, rank, world, first_band, bands_per_block, out_row0,
     M, N, K, stride_xm, stride_xk, stride_wk, stride_wn,
     num_pid_m, tiles_per_band, run_rows_full, run_rows_last, n_bands, chunk_cols, scale,
-    lo, own_start, n_tiles,
+    lo, own_start, hi,
     RUNS: tl.constexpr, X_DESC: tl.constexpr, W_MODE: tl.constexpr, P_DESC: tl.constexpr,
     EPILOGUE: tl.constexpr, HAS_SCALE: tl.constexpr, PRECISION: tl.constexpr,
     TRACE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, PERSISTENT: tl.constexpr, ASM_BARRIER: tl.constexpr,
 ):  # fmt: skip
-    # Tile ids are the launch order, so chunks finish in order; a launch takes ids [lo,
-    # n_tiles). One program per tile, or (PERSISTENT, the copy engines' road: no SM is needed
-    # by the communication) one program per SM taking every num_programs-th tile: the peers'
-    # tiles (ids below own_start) in a flattened loop, whose next tile's loads overlap this
-    # one's epilogue, then this rank's own block, whose fused epilogue (flag waits, partials)
-    # stays out of the flattened loop.
+    # This signature is the one list of the kernel's parameters: the host fills them by name
+    # (`_launch`), and `_tile` takes them by name. Tile ids are the launch order, so chunks
+    # finish in order; a launch takes ids [lo, hi). One program per tile, or (PERSISTENT, the
+    # copy engines' road: no SM is needed by the communication) one program per SM taking
+    # every num_programs-th tile: the peers' tiles (ids below own_start) in a flattened loop,
+    # whose next tile's loads overlap this one's epilogue, then this rank's own block, whose
+    # fused epilogue (flag waits, partials) stays out of the flattened loop.
     if PERSISTENT:
         p0, step = tl.program_id(axis=0), tl.num_programs(axis=0)
         for pid in tl.range(lo + p0, own_start, step, flatten=True):
             _tile(
-                pid, x_ref, w_ref, slots_ptr, counter_ptr, trace_ptr, bad_rows_ptr, bad_cols_ptr,
-                out_ptr, recv_ref, flags_ptr, rank, world, first_band, bands_per_block,
-                out_row0, M, N, K, stride_xm, stride_xk, stride_wk, stride_wn, num_pid_m,
-                tiles_per_band, run_rows_full, run_rows_last, n_bands, chunk_cols, scale,
-                RUNS, X_DESC, W_MODE, P_DESC, True, EPI_SLOTS, HAS_SCALE, PRECISION, TRACE,
-                BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, True, ASM_BARRIER,
+                pid=pid, x_ref=x_ref, w_ref=w_ref, slots_ptr=slots_ptr, counter_ptr=counter_ptr,
+                trace_ptr=trace_ptr, bad_rows_ptr=bad_rows_ptr, bad_cols_ptr=bad_cols_ptr,
+                out_ptr=out_ptr, recv_ref=recv_ref, flags_ptr=flags_ptr, rank=rank, world=world,
+                first_band=first_band, bands_per_block=bands_per_block, out_row0=out_row0,
+                M=M, N=N, K=K, stride_xm=stride_xm, stride_xk=stride_xk, stride_wk=stride_wk,
+                stride_wn=stride_wn, num_pid_m=num_pid_m, tiles_per_band=tiles_per_band,
+                run_rows_full=run_rows_full, run_rows_last=run_rows_last, n_bands=n_bands,
+                chunk_cols=chunk_cols, scale=scale, RUNS=RUNS, X_DESC=X_DESC, W_MODE=W_MODE,
+                P_DESC=P_DESC, ROTATE=True, EPILOGUE=EPI_SLOTS, HAS_SCALE=HAS_SCALE,
+                PRECISION=PRECISION, TRACE=TRACE, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                BLOCK_K=BLOCK_K, GROUP_M=GROUP_M, HALVES=True, ASM_BARRIER=ASM_BARRIER,
             )  # fmt: skip
         # the same round robin goes on past own_start
         first = lo + p0 + tl.cdiv(tl.maximum(own_start - lo - p0, 0), step) * step
-        for pid in tl.range(first, n_tiles, step):
+        for pid in tl.range(first, hi, step):
             _tile(
-                pid, x_ref, w_ref, slots_ptr, counter_ptr, trace_ptr, bad_rows_ptr, bad_cols_ptr,
-                out_ptr, recv_ref, flags_ptr, rank, world, first_band, bands_per_block,
-                out_row0, M, N, K, stride_xm, stride_xk, stride_wk, stride_wn, num_pid_m,
-                tiles_per_band, run_rows_full, run_rows_last, n_bands, chunk_cols, scale,
-                RUNS, X_DESC, W_MODE, P_DESC, True, EPILOGUE, HAS_SCALE, PRECISION, TRACE,
-                BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, True, ASM_BARRIER,
+                pid=pid, x_ref=x_ref, w_ref=w_ref, slots_ptr=slots_ptr, counter_ptr=counter_ptr,
+                trace_ptr=trace_ptr, bad_rows_ptr=bad_rows_ptr, bad_cols_ptr=bad_cols_ptr,
+                out_ptr=out_ptr, recv_ref=recv_ref, flags_ptr=flags_ptr, rank=rank, world=world,
+                first_band=first_band, bands_per_block=bands_per_block, out_row0=out_row0,
+                M=M, N=N, K=K, stride_xm=stride_xm, stride_xk=stride_xk, stride_wk=stride_wk,
+                stride_wn=stride_wn, num_pid_m=num_pid_m, tiles_per_band=tiles_per_band,
+                run_rows_full=run_rows_full, run_rows_last=run_rows_last, n_bands=n_bands,
+                chunk_cols=chunk_cols, scale=scale, RUNS=RUNS, X_DESC=X_DESC, W_MODE=W_MODE,
+                P_DESC=P_DESC, ROTATE=True, EPILOGUE=EPILOGUE, HAS_SCALE=HAS_SCALE,
+                PRECISION=PRECISION, TRACE=TRACE, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                BLOCK_K=BLOCK_K, GROUP_M=GROUP_M, HALVES=True, ASM_BARRIER=ASM_BARRIER,
             )  # fmt: skip
     else:
         _tile(
-            lo + tl.program_id(axis=0), x_ref, w_ref, slots_ptr, counter_ptr, trace_ptr,
-            bad_rows_ptr, bad_cols_ptr, out_ptr, recv_ref, flags_ptr, rank, world, first_band,
-            bands_per_block, out_row0, M, N, K, stride_xm, stride_xk, stride_wk, stride_wn,
-            num_pid_m, tiles_per_band, run_rows_full, run_rows_last, n_bands, chunk_cols, scale,
-            RUNS, X_DESC, W_MODE, P_DESC, EPILOGUE != EPI_SLOTS, EPILOGUE, HAS_SCALE,
-            PRECISION, TRACE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, False, ASM_BARRIER,
+            pid=lo + tl.program_id(axis=0), x_ref=x_ref, w_ref=w_ref, slots_ptr=slots_ptr,
+            counter_ptr=counter_ptr, trace_ptr=trace_ptr, bad_rows_ptr=bad_rows_ptr,
+            bad_cols_ptr=bad_cols_ptr, out_ptr=out_ptr, recv_ref=recv_ref, flags_ptr=flags_ptr,
+            rank=rank, world=world, first_band=first_band, bands_per_block=bands_per_block,
+            out_row0=out_row0, M=M, N=N, K=K, stride_xm=stride_xm, stride_xk=stride_xk,
+            stride_wk=stride_wk, stride_wn=stride_wn, num_pid_m=num_pid_m,
+            tiles_per_band=tiles_per_band, run_rows_full=run_rows_full,
+            run_rows_last=run_rows_last, n_bands=n_bands, chunk_cols=chunk_cols, scale=scale,
+            RUNS=RUNS, X_DESC=X_DESC, W_MODE=W_MODE, P_DESC=P_DESC,
+            ROTATE=EPILOGUE != EPI_SLOTS, EPILOGUE=EPILOGUE, HAS_SCALE=HAS_SCALE,
+            PRECISION=PRECISION, TRACE=TRACE, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+            GROUP_M=GROUP_M, HALVES=False, ASM_BARRIER=ASM_BARRIER,
         )  # fmt: skip
 
 
@@ -327,6 +354,9 @@ def chunked_matmul(
     t = plan.tiles
     M, K = x.shape
     N = w.shape[1]
+    fixed = _fixed.get(id(plan))
+    if fixed is None or fixed[0] is not plan:
+        fixed = _fix(plan)
     # fp32 follows torch.matmul's TF32 switch: off (torch's default) means fp32 accuracy, which
     # "tf32x3" (three TF32 products) gives on tensor cores; "ieee" would be an FMA loop that
     # also needed 3x the shared memory of the tile config (seen on H200: 288 KB, over the limit).
@@ -339,57 +369,58 @@ def chunked_matmul(
     x_ref, w_ref, w_mode = x, w, W_POINTER.value
     if _tma_ok(x):
         x_ref = _descriptor(x, [t.block_m, t.block_k])
-    if _tma_ok(w.t()):
-        w_ref, w_mode = _descriptor(w.t(), [t.block_n, t.block_k]), W_NK.value
+    wt = w.t()
+    if _tma_ok(wt):
+        w_ref, w_mode = _descriptor(wt, [t.block_n, t.block_k]), W_NK.value
     elif _tma_ok(w):
         w_ref, w_mode = _descriptor(w, [t.block_k, t.block_n]), W_KN.value
     n_tiles = plan.num_tile_rows * -(-N // t.block_n)  # triton.cdiv costs ~5 us on the host
     R = plan.world_size
-    mode, p_desc = EPI_SLOTS.value, False
-    interpret = knobs.runtime.interpret
     # Persistent programs on the copy engines' road only (module docstring). The tf32x3
     # tiles' second K loop stays out of the flattened loop.
     persistent = epilogue is not None and not tf32x3
-    e_args = (counters, counters, counters, 0, R, 0, 1, 0)  # unused
     own_start = n_tiles - n_tiles // R if epilogue is not None else n_tiles  # (own block last)
     ranges = {"all": (0, n_tiles), "peers": (0, own_start), "own": (own_start, n_tiles)}
     if part not in ranges or (part != "all" and epilogue is None):
         raise ValueError(f"part={part!r}: 'all', or with an epilogue 'peers' or 'own'")
     lo, hi = ranges[part]
+    # without an epilogue its arguments are unused (`counters` stands for its tensors)
+    out, recv, flags, rank, first, b, out_row0 = counters, counters, counters, 0, 0, 1, 0
+    mode, p_desc = EPI_SLOTS.value, False
     if epilogue is not None:
         if not plan.blocked:
             raise ValueError("an epilogue needs a blocked plan (make_plan(blocked=True))")
         b = plan.bands_per_block
         mode = EPI_ADD.value if plan.spec.reduces else EPI_STORE.value
+        out, flags, rank = epilogue.out, epilogue.flags, epilogue.rank
         recv = epilogue.recv.view(-1, N)  # [R * M / R, N]
         p_desc = mode == EPI_ADD.value and _tma_ok(recv)
         if p_desc:  # the peers' partials through TMA
             recv = _descriptor(recv, [t.block_m, t.block_n])
-        out_row0 = epilogue.rank * (M // R) if plan.spec.scatters else 0
-        e_args = (epilogue.out, recv, epilogue.flags, epilogue.rank, R,
-                  first_band(epilogue.rank, R, b), b, out_row0)  # fmt: skip
-    args = (
-        x_ref, w_ref, slots, counters, trace if trace is not None else counters,
-        bad_rows, bad_cols, *e_args,
-        M, N, K, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
-        plan.num_tile_rows, plan.band_tile_rows(0), plan.run_rows, plan.run_rows_last,
-        plan.n_row_bands, plan.chunk_cols, 1.0 if scale is None else scale,
-        lo, own_start, hi,
-    )  # fmt: skip
-    consts = dict(
-        RUNS=plan.runs, X_DESC=x_ref is not x, W_MODE=w_mode, P_DESC=p_desc, EPILOGUE=mode,
-        HAS_SCALE=scale is not None, PRECISION="tf32x3" if tf32x3 else "tf32",
-        TRACE=trace is not None, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
-        GROUP_M=plan.group_m, PERSISTENT=persistent, ASM_BARRIER=persistent and not interpret,
-    )  # fmt: skip
+        out_row0 = rank * (M // R) if plan.spec.scatters else 0
+        first = first_band(rank, R, b)
+    a = {
+        **fixed[1],  # what the plan alone sets (`_fix`)
+        "x_ref": x_ref, "w_ref": w_ref, "slots_ptr": slots, "counter_ptr": counters,
+        "trace_ptr": counters if trace is None else trace, "bad_rows_ptr": bad_rows,
+        "bad_cols_ptr": bad_cols, "out_ptr": out, "recv_ref": recv, "flags_ptr": flags,
+        "rank": rank, "first_band": first, "bands_per_block": b, "out_row0": out_row0,
+        "M": M, "N": N, "K": K, "stride_xm": x.stride(0), "stride_xk": x.stride(1),
+        "stride_wk": w.stride(0), "stride_wn": w.stride(1),
+        "scale": 1.0 if scale is None else scale, "lo": lo, "own_start": own_start, "hi": hi,
+        "X_DESC": x_ref is not x, "W_MODE": w_mode, "P_DESC": p_desc, "EPILOGUE": mode,
+        "HAS_SCALE": scale is not None, "PRECISION": "tf32x3" if tf32x3 else "tf32",
+        "TRACE": trace is not None, "PERSISTENT": persistent,
+        "ASM_BARRIER": persistent and not knobs.runtime.interpret,
+    }  # fmt: skip
     if not persistent:
-        return _launch(hi - lo, args, consts, t.num_warps, t.num_stages)
+        return _launch(hi - lo, a, t.num_warps, t.num_stages)
     # The flattened loop keeps a buffer for the store beside the load stages: half a tile
     # (HALVES), so 256x128x64 or 128x256x64 bf16 with 4 stages takes 224 KB of the 227.
     es = x.element_size()
     stages = min(t.num_stages, (_SMEM - t.block_m * t.block_n * es // 2)
                  // ((t.block_m + t.block_n) * t.block_k * es))  # fmt: skip
-    return _launch(min(hi - lo, _programs(x.device)), args, consts, t.num_warps, stages)
+    return _launch(min(hi - lo, _programs(x.device)), a, t.num_warps, stages)
 
 
 _SMEM = 227 * 1024  # shared memory per program on sm_90 (Triton's limit there)
@@ -409,18 +440,66 @@ def _programs(device: torch.device) -> int:
     return _sms[i]
 
 
-_CONSTS = tuple(_chunked_matmul_kernel.arg_names[_chunked_matmul_kernel.arg_names.index("RUNS") :])
+def _names(kernel) -> tuple[tuple[str, ...], int]:
+    """``kernel``'s parameter names in its signature's order, and how many come before its
+    constexprs (which must come last: Triton's launcher takes them after the rest)."""
+    params = inspect.signature(kernel.fn).parameters.values()
+    const = ["constexpr" in str(p.annotation) for p in params]
+    n = const.index(True) if True in const else len(const)
+    if not all(const[n:]):
+        raise TypeError(f"{kernel.fn.__name__}: constexpr parameters must come last")
+    return tuple(p.name for p in params), n
+
+
+# The kernel's signature is the one list of its parameters: every launch names each of them
+# (`chunked_matmul`'s dict), `_values` puts them in the signature's order, and a missing or
+# unknown name raises.
+_NAMES, _N_ARGS = _names(_chunked_matmul_kernel)
+_in_order = operator.itemgetter(*_NAMES)
+_fixed: dict[int, tuple[Plan, dict]] = {}  # id(plan) -> (plan, what it alone sets)
+
+
+def _fix(plan: Plan) -> tuple[Plan, dict]:
+    """The kernel's arguments that ``plan`` alone sets, made once per plan (calls reuse
+    plans: ``make_plan`` is cached), not at every launch."""
+    t = plan.tiles
+    fixed = {
+        "world": plan.world_size, "num_pid_m": plan.num_tile_rows,
+        "tiles_per_band": plan.band_tile_rows(0), "run_rows_full": plan.run_rows,
+        "run_rows_last": plan.run_rows_last, "n_bands": plan.n_row_bands,
+        "chunk_cols": plan.chunk_cols, "RUNS": plan.runs, "BLOCK_M": t.block_m,
+        "BLOCK_N": t.block_n, "BLOCK_K": t.block_k, "GROUP_M": plan.group_m,
+    }  # fmt: skip
+    if len(_fixed) >= 1024:  # (the plans keep their ids alive: bounded like `_compiled`)
+        _fixed.clear()
+    _fixed[id(plan)] = (plan, fixed)
+    return _fixed[id(plan)]
+
+
+def _values(a: dict) -> tuple:
+    """The kernel's arguments ``a`` (by name) in the order of its signature."""
+    if len(a) == len(_NAMES):
+        try:
+            return _in_order(a)
+        except KeyError:
+            pass
+    missing, unknown = set(_NAMES) - a.keys(), a.keys() - set(_NAMES)
+    raise TypeError(f"the chunk GEMM's kernel: arguments missing {sorted(missing)}, "
+                    f"unknown {sorted(unknown)}")  # fmt: skip
+
+
 _compiled: dict[tuple, CompiledKernel] = {}  # _launch_key -> the kernel Triton compiled for it
 
 
-def _launch_key(args: tuple, consts: dict, num_warps: int, num_stages: int) -> tuple:
-    """What Triton's specialization of these arguments can depend on, and more: every integer
-    by value (Triton specializes integers on == 1, divisibility by 16 and width), tensors by
-    dtype and 16-byte alignment, descriptors by everything but their base's address (its
-    alignment is kept), other arguments by type. Equal keys therefore mean the same compiled
-    kernel; unequal keys at worst go through Triton's JIT once more."""
+def _launch_key(values: tuple, num_warps: int, num_stages: int) -> tuple:
+    """What Triton's specialization of these arguments (``values``, in the kernel's order) can
+    depend on, and more: every integer by value (Triton specializes integers on == 1,
+    divisibility by 16 and width), tensors by dtype and 16-byte alignment, descriptors by
+    everything but their base's address (its alignment is kept), other arguments by type,
+    constexprs by value. Equal keys therefore mean the same compiled kernel; unequal keys at
+    worst go through Triton's JIT once more."""
     key = []
-    for a in args:
+    for a in values[:_N_ARGS]:
         t = type(a)
         if t is int:
             key.append(a)
@@ -432,22 +511,22 @@ def _launch_key(args: tuple, consts: dict, num_warps: int, num_stages: int) -> t
             key.append((a.dtype, a.data_ptr() % 16 == 0))
         else:
             key.append(t)
-    return (*key, *consts.values(), num_warps, num_stages)
+    return (*key, *values[_N_ARGS:], num_warps, num_stages)
 
 
-def _launch(grid: int, args: tuple, consts: dict, num_warps: int, num_stages: int):
-    """Launch the kernel on ``grid`` programs on the current stream. The first launch of a
-    specialization goes through Triton's JIT (which compiles, caches and launches); later
-    ones call the compiled kernel's launcher directly, skipping the JIT's binding, cache
-    lookup and launch-hook bookkeeping. Launch hooks (profilers) and the interpreter always
-    take Triton's path."""
+def _launch(grid: int, a: dict, num_warps: int, num_stages: int):
+    """Launch the kernel on ``grid`` programs on the current stream with the arguments ``a``
+    (every parameter by name). The first launch of a specialization goes through Triton's JIT
+    (which compiles, caches and launches); later ones call the compiled kernel's launcher
+    directly, skipping the JIT's binding, cache lookup and launch-hook bookkeeping. Launch
+    hooks (profilers) and the interpreter always take Triton's path."""
+    values = _values(a)
     hooks = knobs.runtime.launch_enter_hook.calls or knobs.runtime.launch_exit_hook.calls
-    key = None if knobs.runtime.interpret or hooks else _launch_key(args, consts, num_warps,
+    key = None if knobs.runtime.interpret or hooks else _launch_key(values, num_warps,
                                                                     num_stages)  # fmt: skip
     k = _compiled.get(key) if key is not None else None
     if k is None:
-        k = _chunked_matmul_kernel[(grid,)](*args, **consts, num_warps=num_warps,
-                                            num_stages=num_stages)  # fmt: skip
+        k = _chunked_matmul_kernel[(grid,)](**a, num_warps=num_warps, num_stages=num_stages)
         if key is not None:
             if len(_compiled) >= 1024:  # keys hold exact sizes: new M values keep adding some
                 _compiled.clear()
@@ -455,6 +534,5 @@ def _launch(grid: int, args: tuple, consts: dict, num_warps: int, num_stages: in
         return k
     d = triton.runtime.driver.active
     stream = d.get_current_stream(d.get_current_device())
-    k.run(grid, 1, 1, stream, k.function, k.packed_metadata, None, None, None, *args,
-          *(consts[n] for n in _CONSTS))  # fmt: skip
+    k.run(grid, 1, 1, stream, k.function, k.packed_metadata, None, None, None, *values)
     return k

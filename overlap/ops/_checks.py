@@ -14,6 +14,7 @@ import torch.distributed as dist
 from ..collectives import OPS, Collective, collective
 from ..comm import BACKENDS
 from ..context import check_group
+from ..graphs import span
 from ..plan import MAX_CHUNKS
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -101,15 +102,6 @@ def check_out(out, shape: tuple[int, ...], x: torch.Tensor, *inputs: torch.Tenso
     for t in (x, *inputs):
         if out.numel() and t.numel() and _overlaps(out, t):
             raise ValueError("out must not share memory with the inputs (x, w)")
-
-
-def span(t: torch.Tensor) -> tuple[int, int]:
-    """``t``'s memory: the address of its first element and one past its last byte (an empty
-    tensor spans nothing)."""
-    if t.numel() == 0:
-        return t.data_ptr(), t.data_ptr()
-    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
-    return t.data_ptr(), t.data_ptr() + t.element_size() * (1 + last)
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:

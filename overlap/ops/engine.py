@@ -2,13 +2,13 @@
 
 1. check the arguments (the op's file, with ``_checks.py``);
 2. ``decide``: what the same arguments were decided to run before (``context.calls``, by the
-   call's ``record.signature``), else the context of (group, device, caller stream); the
+   call's ``graphs.signature``), else the context of (group, device, caller stream); the
    transport (``comm.select``: the capture fit and every plain-path reason decided here,
    before planning); the plan for it (``make_plan``: what ``overlap.plan`` returns and
    validation mode fingerprints). Nothing later changes the plan;
 3. the output made, or the caller's checked (``check_out``, at every call: its address and
    device are in no key); a recorded eager call replays its CUDA graph here
-   (``record.replay``);
+   (``graphs.replay``);
 4. validation mode's agreement (``guard.agree``), before anything is launched;
 5. the producer: the GEMM (``produce``: the Triton kernel counting finished tiles per
    chunk), or cuBLAS per band (the exchanges, ``exchange.py``);
@@ -59,7 +59,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from .. import comm, guard, stats
+from .. import comm, graphs, guard, stats
 from ..collectives import collective
 from ..comm import TorchTransport, Transport, shot
 from ..context import Context, calls, context, tuned, tuned_key
@@ -74,7 +74,6 @@ from ..plan import (
     tiles_for,
 )
 from ..signal import wait_counter
-from . import record
 from ._checks import (
     capturing,
     check_operands,
@@ -105,7 +104,7 @@ MAX_CALLS = 4096
 
 
 def decide(x, w, name, group, chunks, backend, capturing: bool, sig: tuple | None) -> Known:
-    """What a checked call runs: looked up by its signature ``sig`` (``record.signature``;
+    """What a checked call runs: looked up by its signature ``sig`` (``graphs.signature``;
     None while capturing or validating: decided afresh), else decided and kept under it."""
     known = calls.get(sig) if sig is not None else None
     if known is not None:
@@ -231,7 +230,7 @@ def plan(
     check_operands(x, w, collective, "sum", backend, group, chunks)
     if input_split_sizes is None and output_split_sizes is None:
         cap = capturing(x)
-        sig = None if cap else record.signature(collective, group, "sum", backend, chunks, x, w)
+        sig = None if cap else graphs.signature(collective, group, "sum", backend, chunks, x, w)
         return decide(x, w, collective, group, chunks, backend, cap, sig).plan
     sends, receives = check_splits(x, collective, input_split_sizes, output_split_sizes, group)
     return split_plan(sends, receives, w.shape[-1], x.shape[-1], chunks, backend)
@@ -291,7 +290,7 @@ def run_after(
     on the plain path) after the call."""
     cap = sig is None and capturing(x)  # (plain_again makes no signature while capturing)
     if sig is None and not cap:
-        sig = record.signature(name, group, op, backend, chunks, x, w)
+        sig = graphs.signature(name, group, op, backend, chunks, x, w)
     p, ctx, cls, shape, path = decide(x, w, name, group, chunks, backend, cap, sig)
     if cover and not (cls is not None and cls.covers):  # after the call (``Transport``)
         y = run_after(x, w, name, group, op, out, backend, chunks, label, sig)
@@ -312,8 +311,8 @@ def run_after(
         out = torch.empty(shape, dtype=x.dtype, device=x.device)
     key = None
     if sig is not None and cls.recorded and x.is_cuda:
-        key = (sig, record.outputs(out, *cover))
-        replayed = record.replay(key, record.bases(x, out, *cover))  # a recorded call again
+        key = (sig, graphs.outputs(out, *cover))
+        replayed = graphs.replay(key, graphs.bases(x, out, *cover))  # a recorded call again
         if replayed is not None:
             stats.count(label, "replayed via " + replayed.name)
             _issued(replayed, ctx, p)
@@ -325,7 +324,7 @@ def run_after(
         if x2.data_ptr() != x.data_ptr():  # (a copy made x 2-D: nothing to record)
             key = None
         # (a cover's cuBLAS kernel: not rebound, as the all-gather's)
-        updated = record.recorded(call, ctx, cls, capturing=cap, key=key,
+        updated = graphs.recorded(call, ctx, cls, capturing=cap, key=key,
                                    moved=(x, out, *cover), rebound=not cover)  # fmt: skip
         stats.count(label, "updated via " + cls.name if updated else path)
         if cls.watched and not (cap or validating):
@@ -352,7 +351,7 @@ def plain_again(x, w, name, group, op, backend, chunks, label: str) -> tuple:
             torch.compiler.is_compiling():  # fmt: skip
         return None, None
     try:
-        sig = record.signature(name, group, op, backend, chunks, x, w)
+        sig = graphs.signature(name, group, op, backend, chunks, x, w)
         known = calls.get(sig) if sig is not None else None
     except TypeError:  # an unhashable argument: the checks name it
         return None, None
@@ -518,7 +517,7 @@ def run_before(x, w, group, out, backend, chunks, keep: bool, cover: tuple = ())
     caller stream, this rank's rows' share while the others travel (``consume``), where the
     transport ``covers``; else (and on the plain path) after the call."""
     cap = capturing(x)
-    sig = None if cap else record.signature("all_gather", group, "sum", backend, chunks, x, w)
+    sig = None if cap else graphs.signature("all_gather", group, "sum", backend, chunks, x, w)
     p, ctx, cls, shape, path = decide(x, w, "all_gather", group, chunks, backend, cap, sig)
     if cover and not (cls is not None and cls.covers):  # after the call (``Transport``)
         out, full = run_before(x, w, group, out, backend, chunks, True)
@@ -533,8 +532,8 @@ def run_before(x, w, group, out, backend, chunks, keep: bool, cover: tuple = ())
     key = None
     if sig is not None and cls is not None and cls.recorded and x.is_cuda:
         full = x.new_empty((M, K) if keep else (0,))  # (outside a recorded graph's pool)
-        key = (sig, record.outputs(out, full, *cover))
-        replayed = record.replay(key, record.bases(x, out, full, *cover))  # recorded: again
+        key = (sig, graphs.outputs(out, full, *cover))
+        replayed = graphs.replay(key, graphs.bases(x, out, full, *cover))  # recorded: again
         if replayed is not None:
             stats.count("all_gather_matmul", "replayed via " + replayed.name)
             _issued(replayed, ctx, p)
@@ -559,7 +558,7 @@ def run_before(x, w, group, out, backend, chunks, keep: bool, cover: tuple = ())
                 key = None
             call = functools.partial(_gathered, x2, w, out, full, p, ctx, cls, cover=cover)
             moved = (x, out, full, *cover)  # (cuBLAS kernels: not rebound)
-            updated = record.recorded(call, ctx, cls, capturing=cap, key=key, moved=moved,
+            updated = graphs.recorded(call, ctx, cls, capturing=cap, key=key, moved=moved,
                                        rebound=False)  # fmt: skip
             stats.count("all_gather_matmul", "updated via " + cls.name if updated else path)
             if cls.watched and not (cap or validating):

@@ -10,9 +10,9 @@ work is the same: every call zeroes its own counters and flags). Only the first 
 eagerly, so calls that never repeat pay no capture.
 
 The input's and the outputs' addresses are in no key: a call whose tensors moved still
-replays a graph of its record. A dense call's graph is pointed at them (``_rebind``: one
+replays a graph of its record. A dense call's graph is pointed at them (``rebind``: one
 driver call per node that holds them). The all-gather's graph (cuBLAS kernels, whose
-parameters ``_rebind`` cannot read for certain), and a dense one that ``_rebind.bind``
+parameters ``rebind`` cannot read for certain), and a dense one that ``rebind.bind``
 refused, are not: a record keeps two graphs, the one it replayed last and a spare (the one
 before), and a call at the addresses of either replays it; at a third address set the
 spare's executable graph is updated from a capture of the call for them
@@ -51,7 +51,7 @@ from .. import guard
 from ..comm import Transport
 from ..context import Context, records
 from ..signal import current_raw_stream
-from . import _rebind
+from . import rebind
 
 # CUDA graphs of eager calls kept (all streams, least recently used out). A training step cycles
 # through every overlapped call site (a 32-layer model: 128 or more): with 64 kept, a step of
@@ -73,7 +73,7 @@ class Record(NamedTuple):
     generation: int
     graph: torch.cuda.CUDAGraph | None
     bases: tuple[int, ...]
-    binding: _rebind.Binding | None = None
+    binding: rebind.Binding | None = None
     spare: tuple[torch.cuda.CUDAGraph, tuple[int, ...]] | None = None
 
 
@@ -134,7 +134,7 @@ def _point(key: tuple, rec: Record, at: tuple[int, ...]) -> Record | None:
         return None
     try:
         rec.binding.rebind(at)
-    except _rebind.DriverError:
+    except rebind.DriverError:
         del records[key]
         return None
     rec = records[key] = rec._replace(bases=at)
@@ -155,7 +155,7 @@ def recorded(
     current stream; recorded and replayed as the module docstring says where ``key`` (the
     call's ``signature`` and ``outputs``) is not None and ``cls`` declares ``recorded``.
     ``moved``: the tensors whose addresses the key leaves out; ``rebound``: whether
-    ``_rebind`` may point the graph at them (else a capture for them updates it). True
+    ``rebind`` may point the graph at them (else a capture for them updates it). True
     where the call replayed an updated graph."""
     if key is None or not cls.recorded:
         call(capturing)
@@ -187,7 +187,7 @@ def recorded(
         binding = None
         if bind:
             graph.instantiate()
-            binding = _rebind.bind(graph, moved)
+            binding = rebind.bind(graph, moved)
         rec = records[key] = rec._replace(graph=graph, bases=at, binding=binding)
     rec.graph.replay()
     return False
@@ -222,8 +222,8 @@ def _another(
         return rec._replace(graph=_captured(call, ctx, t, keep=False), bases=at, spare=spare), False
     graph = _captured(call, ctx, t, keep=True)
     try:
-        _rebind.update(rec.spare[0], graph)
-    except _rebind.DriverError:
+        rebind.update(rec.spare[0], graph)
+    except rebind.DriverError:
         graph.instantiate()
         return rec._replace(graph=graph, bases=at, spare=spare), False
     return rec._replace(graph=rec.spare[0], bases=at, spare=spare), True

@@ -1,4 +1,4 @@
-"""A recorded call's CUDA graph pointed at another call's tensors (``record``).
+"""A recorded call's CUDA graph pointed at another call's tensors (``record.py``).
 
 A graph holds the addresses of the tensors it was captured with. Activations move from call
 to call (a training step frees and makes them in an order that depends on what ran before),
@@ -45,8 +45,6 @@ from ctypes import POINTER, byref, c_int, c_size_t, c_uint, c_uint64, c_void_p
 
 import torch
 
-from ._checks import span
-
 _KERNEL, _MEMCPY, _MEMSET, _EMPTY, _WAIT_EVENT, _EVENT_RECORD, _MEM_OP = 0, 1, 2, 5, 6, 7, 12
 _HARMLESS = {_EMPTY, _WAIT_EVENT, _EVENT_RECORD, _MEM_OP}  # hold no tensor's address here
 _DEVICE, _UNIFIED = 2, 4  # CUmemorytype: where a memcpy's address is a device address
@@ -80,6 +78,16 @@ class _Memset(ctypes.Structure):  # CUDA_MEMSET_NODE_PARAMS
         ("width", c_size_t),
         ("height", c_size_t),
     ]
+
+
+def span(t: torch.Tensor) -> tuple[int, int]:
+    """``t``'s memory: the address of its first element and one past its last byte (an empty
+    tensor spans nothing). Also the ops' check that ``out`` shares no memory with the
+    inputs."""
+    if t.numel() == 0:
+        return t.data_ptr(), t.data_ptr()
+    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
+    return t.data_ptr(), t.data_ptr() + t.element_size() * (1 + last)
 
 
 class DriverError(RuntimeError):
