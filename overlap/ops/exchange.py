@@ -15,6 +15,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import math
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -23,7 +24,7 @@ from .. import comm, guard, stats
 from ..collectives import collective
 from ..context import context
 from ..plan import band_rows
-from ._autograd import call, custom_op, differentiable
+from ._autograd import call, custom_op, differentiable, fake
 from ._checks import (
     capturing,
     check_chunks,
@@ -255,27 +256,37 @@ def grouped_matmul_all_to_all(
                                      backend, group, received=False)  # fmt: skip
     gname = via_op(x, w, out, group)
     if gname is not None:
-        return _grouped(x, w, expert_ids, gname, backend, chunks, list(sends), list(receives))
+        return _grouped(x, w, expert_ids, Combine(gname, backend, chunks, list(sends),
+                                                  list(receives)))  # fmt: skip
     runs = ExpertRuns(expert_ids, w.shape[0])
     return split_forward(x, w, group, out, backend, chunks, sends, receives, runs,
                          "grouped_matmul_all_to_all")  # fmt: skip
 
 
-@custom_op("overlap::grouped_matmul_all_to_all")
+class Combine(NamedTuple):
+    """A MoE combine as its custom op takes it, besides its tensors."""
+
+    group: str  # the group's name, "" for None (``name_of``)
+    backend: str
+    chunks: int | None
+    sends: list[int]
+    receives: list[int]
+
+
+@custom_op("overlap::grouped_matmul_all_to_all", Combine)
 def _grouped_op(
-    x: torch.Tensor, w: torch.Tensor, expert_ids: torch.Tensor, group: str, backend: str,
-    chunks: int | None, sends: list[int], receives: list[int],
-) -> torch.Tensor:  # fmt: skip
-    """``grouped_matmul_all_to_all`` as a custom op (``group``: its name, "" for None)."""
+    x: torch.Tensor, w: torch.Tensor, expert_ids: torch.Tensor, call: Combine
+) -> torch.Tensor:
+    """``grouped_matmul_all_to_all`` as a custom op."""
     runs = ExpertRuns(expert_ids, w.shape[0])
-    pg = group_of(group)
-    return split_forward(x, w, pg, None, backend, chunks, tuple(sends), tuple(receives), runs,
+    return split_forward(x, w, group_of(call.group), None, call.backend, call.chunks,
+                         tuple(call.sends), tuple(call.receives), runs,
                          "grouped_matmul_all_to_all")  # fmt: skip
 
 
-@_grouped_op.register_fake
-def _(x, w, expert_ids, group, backend, chunks, sends, receives):
-    return x.new_empty(sum(receives), w.shape[-1])
+@fake(_grouped_op)
+def _(x, w, expert_ids, call: Combine):
+    return x.new_empty(sum(call.receives), w.shape[-1])
 
 
 @custom_op("overlap::grouped_matmul_all_to_all_backward")
@@ -306,17 +317,18 @@ def _(g, x, w, expert_ids, group, sends, receives, need_dx, need_dw):
     return x.new_empty(x.shape if need_dx else 0), w.new_empty(w.shape if need_dw else 0)
 
 
-def _grouped_setup(ctx, inputs, output) -> None:
-    x, w, expert_ids, ctx.group, _, _, ctx.sends, ctx.receives = inputs
-    ctx.save_for_backward(x, w, expert_ids)
+def _grouped_setup(ctx, tensors, call: Combine, output) -> None:
+    ctx.call = call
+    ctx.save_for_backward(*tensors)
 
 
-def _grouped_backward(ctx, g):
+def _grouped_backward(ctx, need, g):
     x, w, expert_ids = ctx.saved_tensors
-    need_dx, need_dw = ctx.needs_input_grad[:2]
-    dx, dw = call(ctx, _grouped_backward_op, g, x, w, expert_ids, ctx.group, ctx.sends,
-                  ctx.receives, need_dx, need_dw)  # fmt: skip
-    return (dx if need_dx else None, dw if need_dw else None, *([None] * 6))
+    need_dx, need_dw, _ = need
+    c = ctx.call
+    dx, dw = call(ctx, _grouped_backward_op, g, x, w, expert_ids, c.group, c.sends, c.receives,
+                  need_dx, need_dw)  # fmt: skip
+    return dx if need_dx else None, dw if need_dw else None, None
 
 
 _grouped = differentiable(_grouped_op, _grouped_setup, _grouped_backward)
@@ -387,50 +399,62 @@ def all_to_all_grouped_matmul(
                                      backend, group, received=True)  # fmt: skip
     gname = via_op(x, w, out, group)
     if gname is not None:
-        return _dispatch(x, w, expert_ids, gname, backend, chunks, list(sends), list(receives),
-                         needs_grad(x, w))[0]  # fmt: skip
+        call = Dispatch(gname, backend, chunks, list(sends), list(receives), needs_grad(x, w))
+        return _dispatch(x, w, expert_ids, call)[0]
     runs = ExpertRuns(expert_ids, w.shape[0])
     return dispatch_forward(x, w, group, out, backend, chunks, sends, receives, runs, False)[0]
 
 
-@custom_op("overlap::all_to_all_grouped_matmul")
+class Dispatch(NamedTuple):
+    """A MoE dispatch as its custom op takes it, besides its tensors."""
+
+    group: str  # the group's name, "" for None (``name_of``)
+    backend: str
+    chunks: int | None
+    sends: list[int]
+    receives: list[int]
+    keep: bool  # the received x returned (the weight gradient needs it), else empty
+
+
+@custom_op("overlap::all_to_all_grouped_matmul", Dispatch)
 def _dispatch_op(
-    x: torch.Tensor, w: torch.Tensor, expert_ids: torch.Tensor, group: str, backend: str,
-    chunks: int | None, sends: list[int], receives: list[int], keep: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    x: torch.Tensor, w: torch.Tensor, expert_ids: torch.Tensor, call: Dispatch
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``all_to_all_grouped_matmul`` as a custom op: ``(result, received x)`` (the second
-    empty unless ``keep``: the weight gradient needs it)."""
+    empty unless ``call.keep``)."""
     runs = ExpertRuns(expert_ids, w.shape[0])
-    return dispatch_forward(x, w, group_of(group), None, backend, chunks, tuple(sends),
-                             tuple(receives), runs, keep)  # fmt: skip
+    return dispatch_forward(x, w, group_of(call.group), None, call.backend, call.chunks,
+                            tuple(call.sends), tuple(call.receives), runs, call.keep)  # fmt: skip
 
 
-@_dispatch_op.register_fake
-def _(x, w, expert_ids, group, backend, chunks, sends, receives, keep):
-    rows = sum(receives)
-    return x.new_empty(rows, w.shape[-1]), x.new_empty((rows, x.shape[-1]) if keep else 0)
+@fake(_dispatch_op)
+def _(x, w, expert_ids, call: Dispatch):
+    rows = sum(call.receives)
+    return x.new_empty(rows, w.shape[-1]), x.new_empty((rows, x.shape[-1]) if call.keep else 0)
 
 
-def _dispatch_setup(ctx, inputs, output) -> None:
-    x, w, expert_ids, ctx.group, _, _, ctx.sends, ctx.receives, _ = inputs
+def _dispatch_setup(ctx, tensors, call: Dispatch, output) -> None:
+    x, w, expert_ids = tensors
+    ctx.call = call
     ctx.x_shape = x.shape
     ctx.save_for_backward(output[1], w, expert_ids)
     ctx.set_materialize_grads(False)
 
 
-def _dispatch_backward(ctx, g, _g_received):
+def _dispatch_backward(ctx, need, g, _g_received):
     received, w, expert_ids = ctx.saved_tensors
-    need_dx, need_dw = ctx.needs_input_grad[:2]
+    need_dx, need_dw, _ = need
     if g is None:
-        return (None,) * 9
+        return None, None, None
+    c = ctx.call
     # the combine's backward of the received rows, exchanged the other way
-    dz, dw = call(ctx, _grouped_backward_op, g, received, w, expert_ids, ctx.group, [], [],
+    dz, dw = call(ctx, _grouped_backward_op, g, received, w, expert_ids, c.group, [], [],
                   need_dx, need_dw)  # fmt: skip
     dx = None
     if need_dx:
-        dx = call(ctx, _all_to_all_back, dz, ctx.group, ctx.sends, ctx.receives)
+        dx = call(ctx, _all_to_all_back, dz, c.group, c.sends, c.receives)
         dx = dx.reshape(ctx.x_shape)
-    return (dx, dw if need_dw else None, *([None] * 7))
+    return dx, dw if need_dw else None, None
 
 
 @custom_op("overlap::all_to_all_back")
