@@ -7,7 +7,8 @@
   ``grouped_matmul_all_to_all`` and dispatch ``all_to_all_grouped_matmul``);
 - ``bags.py``: ``embedding_bag_all_to_all``;
 - ``engine.py``: the stages every op runs (``decide``, ``overlapped``: what
-  ``tools/timeline.py`` traces), and ``record.py``: recorded calls (a repeated eager call
+  ``tools/timeline.py`` traces; the uneven exchanges' ``decide_exchange`` and
+  ``run_exchange``), and ``record.py``: recorded calls (a repeated eager call
   replays a CUDA graph; ``MAX_RECORDS``), public for the library's tools; and
   ``_rebind.py``: such a graph pointed at the tensors of the call that replays it;
 - ``_columns.py``: a list of weights side by side or stacked (a view where they are

@@ -1,6 +1,6 @@
 """``embedding_bag_all_to_all``: model-parallel embedding tables and the all-to-all over
-batch slices, overlapped band by band (an uneven exchange: ``exchange._SplitCall``), with
-its custom op and backward."""
+batch slices, overlapped band by band (an uneven exchange, run by ``engine.run_exchange``),
+with its custom op and backward."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from ..context import check_group
 from ..plan import DEFAULT_SPLIT_CHUNKS
 from ._autograd import custom_op, fake, register
 from ._checks import DTYPES, check_backend, check_chunks, group_of, name_of, world
-from .exchange import _SplitCall
+from .engine import Streams, decide_exchange, run_exchange
 
 _BAG_MODES = ("sum", "mean", "max")
 
@@ -160,13 +160,11 @@ def _bags_forward(tables, indices, offsets, group, mode, rank_dims, backend, chu
     # per chunk, elements (rows of width 1) received from and sent to every rank
     layout = [([(hi - lo) * d for d in rank_dims], [(hi - lo) * D] * R) for lo, hi in bands]
     sends, receives = tuple(b * D for _ in range(R)), tuple(b * d for d in rank_dims)
-    agreed = {"bags": B, "mode": mode}  # (validation; with the splits B implies rank_dims)
-    call = _SplitCall(t0, group, backend, chunks, sends, receives, 1, 0,
-                      "embedding_bag_all_to_all", agreed)  # (n chunks)  # fmt: skip
-    if R == 1:  # (counted by _SplitCall, as every op's call)
-        return pool(0, B)
-    p, s, starts = call.plan, call.stream, [sum(rank_dims[:s_]) for s_ in range(R)]
-    with call:  # (its exit waits for the exchange, and closes the watch)
+    p, cls = decide_exchange(sends, receives, 1, 0, chunks, backend)  # (n chunks)
+    starts = [sum(rank_dims[:s_]) for s_ in range(R)]
+
+    def issue(on: Streams) -> torch.Tensor:
+        s = on.comm
         out = t0.new_empty(b, sum(rank_dims))
         send, recv = t0.new_empty(B * D, 1), t0.new_empty(b * sum(rank_dims), 1)
         at = 0
@@ -175,9 +173,9 @@ def _bags_forward(tables, indices, offsets, group, mode, rank_dims, backend, chu
             for j in range(R):  # band c of destination j's slice
                 send[at : at + h * D].view(h, D).copy_(pool(j * b + lo, j * b + hi))
                 at += h * D
-            call.mark(c, call.caller)
+            on.mark(c, on.caller)
         guard.arm()
-        call.transport.run_splits(p, send, recv, call.waiter(s), lambda c: None, s, layout)
+        on.transport.run_splits(p, send, recv, on.waiter(s), lambda c: None, s, layout)
         with torch.cuda.stream(s) if s is not None else contextlib.nullcontext():
             at = 0
             for lo, hi in bands:
@@ -185,7 +183,11 @@ def _bags_forward(tables, indices, offsets, group, mode, rank_dims, backend, chu
                     piece = recv[at : at + (hi - lo) * d].view(hi - lo, d)
                     out[lo:hi, starts[s_] : starts[s_] + d] = piece
                     at += (hi - lo) * d
-    return out
+        return out
+
+    agreed = {"bags": B, "mode": mode}  # (validation; with the splits B implies rank_dims)
+    return run_exchange(t0, group, p, cls, "embedding_bag_all_to_all", agreed,
+                        lambda: pool(0, B), issue)  # fmt: skip
 
 
 def _read_edges(t, idx, off, edges: list[int]) -> dict[int, int]:

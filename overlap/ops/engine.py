@@ -11,7 +11,7 @@
    (``record.replay``);
 4. validation mode's agreement (``guard.agree``), before anything is launched;
 5. the producer: the GEMM (``produce``: the Triton kernel counting finished tiles per
-   chunk), or cuBLAS per band (the exchanges, ``exchange.py``);
+   chunk), or the uneven exchanges' own (cuBLAS per band, ``exchange.py``, ``bags.py``);
 6. the transport moves the chunks on the communication stream, each after its chunk;
 7. the consumer (the all-gather's and the dispatch's matmuls, each after its chunk arrived);
 8. the caller stream waits for the communication stream.
@@ -29,7 +29,11 @@ the call would otherwise overlap (``comm/shot.py``'s crossovers).
 
 The direction decides 5-7: a collective *after* the matmul (``run_after``: the kernel
 produces, the transport moves) or *before* it (``run_before``: the transport gathers, cuBLAS
-consumes band by band). Every call is counted by path (``overlap.stats``).
+consumes band by band). An uneven exchange (the all-to-all with splits, the MoE combine and
+dispatch, the embedding bags) is decided by ``decide_exchange`` (no memo: its splits change
+from call to call) and run by ``run_exchange``: stages 4 and 8, the count and the watch as
+above, around the op's own 5-7 (its ``issue``). Every call is counted by path
+(``overlap.stats``).
 
 Hazards: calls on one stream are serialized by that stream (the caller waits for the
 communication stream at the end of every call, which also makes buffers allocated on the
@@ -233,27 +237,34 @@ def plan(
         sig = None if cap else record.signature(collective, group, "sum", backend, chunks, x, w)
         return decide(x, w, collective, group, chunks, backend, cap, sig).plan
     sends, receives = check_splits(x, collective, input_split_sizes, output_split_sizes, group)
-    return split_plan(sends, receives, w.shape[-1], x.shape[-1], chunks, backend)
+    return decide_exchange(sends, receives, w.shape[-1], x.shape[-1], chunks, backend)[0]
 
 
-def split_plan(
+def decide_exchange(
     sends: tuple[int, ...], receives: tuple[int, ...], N: int, K: int, chunks, backend: str
-) -> SplitPlan:
-    """The plan an uneven exchange runs: ``sends[j]`` rows of ``[M, K] @ [K, N]`` to rank
-    ``j``, ``receives[s]`` from rank ``s``, through ``comm.select_uneven(backend)``."""
+) -> tuple[SplitPlan, type[Transport]]:
+    """What an uneven exchange runs (``run_exchange``): ``(plan, transport class)`` for
+    ``sends[j]`` rows of ``[M, K] @ [K, N]`` to rank ``j``, ``receives[s]`` from rank ``s``,
+    through ``comm.select_uneven(backend)``."""
     cls = comm.select_uneven(backend)
-    return make_split_plan(sends, receives, N, K, chunks=chunks, transport=cls.name)
+    return make_split_plan(sends, receives, N, K, chunks=chunks, transport=cls.name), cls
 
 
-def _agree(group, p: Plan | GatherPlan, dtype, op: str = "sum") -> None:
+def _agree(group, p: Plan | GatherPlan | SplitPlan, dtype, op: str = "sum", what: str = "",
+           sizes: dict | None = None) -> None:  # fmt: skip
     """Validation mode's agreement on a call of plan ``p`` with reduction ``op``
     (``guard.fingerprint``): after the matmul the product's ``M`` and ``N`` travel (``K``
-    is this rank's own); the all-gather moves ``[M, K]`` (``N`` is this rank's own)."""
-    if isinstance(p, GatherPlan):
+    is this rank's own); the all-gather moves ``[M, K]`` (``N`` is this rank's own); an
+    uneven exchange: the op ``what``, its ``sizes`` (every rank's ``M`` differs) and the
+    splits (what each rank sends the other is what that one receives)."""
+    splits = None
+    if isinstance(p, SplitPlan):
+        splits = p.splits
+    elif isinstance(p, GatherPlan):
         what, sizes = "all_gather_matmul", {"M": p.M, "K": p.K}
     else:
         what, sizes = f"matmul_{p.collective}({op})", {"M": p.M, "N": p.N}
-    guard.agree(group, guard.fingerprint(what, dtype, sizes, p.layout()), p.describe())
+    guard.agree(group, guard.fingerprint(what, dtype, sizes, p.layout()), p.describe(), splits)
 
 
 def _watch(ctx: Context, cls, p: Plan | GatherPlan, x: torch.Tensor, capturing: bool):
@@ -653,3 +664,63 @@ def consume(
     finally:
         if s is not None:
             caller.wait_stream(s)  # as in `produce`
+
+
+# -- the uneven exchanges --------------------------------------------------------------------
+class Streams(NamedTuple):
+    """What an uneven exchange issues on (``run_exchange``): its transport, the caller stream,
+    the communication stream and one event per chunk (the last three None on CPU, where the
+    transport runs on the host)."""
+
+    transport: Transport
+    caller: torch.cuda.Stream | None
+    comm: torch.cuda.Stream | None
+    events: list | None
+
+    def mark(self, c: int, stream) -> None:
+        """Chunk ``c`` is done on ``stream`` (an event; nothing on CPU)."""
+        if self.events is not None:
+            self.events[c].record(stream)
+
+    def waiter(self, stream):
+        """``wait(c)``: ``stream`` waits for chunk ``c``'s mark."""
+        if stream is None:
+            return lambda c: None
+        return lambda c: stream.wait_event(self.events[c])
+
+
+def run_exchange(x, group, p: SplitPlan, cls, label: str, sizes: dict, plain, issue):
+    """A checked uneven exchange of plan ``p`` through transport class ``cls``
+    (``decide_exchange``), from ``x``'s device and caller stream, with the stages of every
+    call: on the plain path (world size 1) the count, then ``plain()``; else validation's
+    agreement (``label``: the op, as ``overlap.stats`` counts it; ``sizes``: what every rank
+    shares of it), the count, the context's transport and the communication stream forked
+    from the caller, validation's watch, ``issue(streams)`` (the op's producer, the
+    transport's exchange and the consumer, on ``Streams``), the caller's wait for the
+    communication stream, and an eager call outside validation handed to the watchdog
+    (``_issued``). Returns what ``plain`` or ``issue`` returns."""
+    if p.path != "overlap":
+        stats.count(label, how(p))
+        return plain()
+    ctx = context(group, x.device)
+    validating = guard.validating()
+    if validating:
+        _agree(group, p, x.dtype, what=label, sizes=sizes)
+    stats.count(label, how(p))  # (after the agreement: a refused call ran nothing)
+    t = ctx.transport(cls)
+    s = ctx.comm_stream
+    if s is None:  # CPU: the transport runs on the host
+        return issue(Streams(t, None, None, None))
+    caller = torch.cuda.current_stream(x.device)
+    streams = Streams(t, caller, s, t.events(p.n_chunks))
+    s.wait_stream(caller)
+    cap = capturing(x)
+    try:
+        with _watch(ctx, cls, p, x, cap) if validating else contextlib.nullcontext():
+            try:
+                return issue(streams)
+            finally:
+                caller.wait_stream(s)
+    finally:
+        if not (cap or validating):
+            _issued(t, ctx, p)

@@ -7,7 +7,9 @@ chunk-major slot layout of ``plan.band_rows`` (chunk ``c``: band ``c`` of every 
 event after each; a transport that declares ``uneven`` (``comm.select_uneven``: NCCL per
 chunk) sends each chunk once its event has passed (``Transport.run_splits``). The dispatch is
 the mirror: the exchange first, each received band multiplied once its event has passed.
-Plans: ``plan.SplitPlan`` (``engine.split_plan``).
+Each op is decided (``engine.decide_exchange``: a ``plan.SplitPlan`` and its transport) and
+run (``engine.run_exchange``: agreement, count, streams, watch and issue, as every call) by
+the engine; its file holds only its producer, transport calls and consumer (``issue``).
 """
 
 from __future__ import annotations
@@ -20,13 +22,11 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from .. import comm, guard, stats
+from .. import guard
 from ..collectives import collective
-from ..context import context
 from ..plan import band_rows
 from ._autograd import call, custom_op, differentiable, fake
 from ._checks import (
-    capturing,
     check_chunks,
     check_operands,
     check_out,
@@ -36,7 +36,7 @@ from ._checks import (
     via_op,
     world,
 )
-from .engine import how, split_plan
+from .engine import Streams, decide_exchange, run_exchange
 
 
 def split_forward(x, w, group, out, backend, chunks, sends, receives, runs, label: str):
@@ -50,23 +50,28 @@ def split_forward(x, w, group, out, backend, chunks, sends, receives, runs, labe
     M, K, N = math.prod(x.shape[:-1]), x.shape[-1], w.shape[-1]
     x2 = x.reshape(M, K)
     out = _split_out(out, (sum(receives), N), x, w)
-    call = _SplitCall(x, group, backend, chunks, sends, receives, N, K, label)
-    if call.ctx is None:
+    p, cls = decide_exchange(sends, receives, N, K, chunks, backend)
+    n = p.n_chunks
+
+    def plain() -> torch.Tensor:
         _product(x2, w, out, slice(0, M), slice(0, M), runs)
         return out
-    p, s, n = call.plan, call.stream, call.plan.n_chunks
-    with call:  # (its exit waits for the exchange, and closes the watch)
+
+    def issue(on: Streams) -> torch.Tensor:
         y, recv = x.new_empty(M, N), x.new_empty(sum(receives), N)
         for c, rows in enumerate(band_rows(sends, n)):
             for std, slot in rows:
                 _product(x2, w, y, std, slot, runs)
-            call.mark(c, call.caller)
+            on.mark(c, on.caller)
         guard.arm()
-        call.transport.run_splits(p, y, recv, call.waiter(s), lambda c: None, s)
-        with torch.cuda.stream(s) if s is not None else contextlib.nullcontext():
-            order = call.transport.order(receives, n, x.device, to_slots=False)
+        on.transport.run_splits(p, y, recv, on.waiter(on.comm), lambda c: None, on.comm)
+        with torch.cuda.stream(on.comm) if on.comm is not None else contextlib.nullcontext():
+            order = on.transport.order(receives, n, x.device, to_slots=False)
             torch.index_select(recv, 0, order, out=out)
-    return out
+        return out
+
+    # (validation agrees on the exchanged rows' width: x @ w's)
+    return run_exchange(x, group, p, cls, label, {"width": N}, plain, issue)
 
 
 def dispatch_forward(x, w, group, out, backend, chunks, sends, receives, runs, keep):
@@ -79,27 +84,32 @@ def dispatch_forward(x, w, group, out, backend, chunks, sends, receives, runs, k
     x2 = x.reshape(M, K)
     rows = sum(receives)
     out = _split_out(out, (rows, N), x, w)
-    call = _SplitCall(x, group, backend, chunks, sends, receives, N, K,
-                      "all_to_all_grouped_matmul", {"width": K})  # (it sends x)  # fmt: skip
-    if call.ctx is None:
+    p, cls = decide_exchange(sends, receives, N, K, chunks, backend)
+    n = p.n_chunks
+
+    def plain() -> tuple[torch.Tensor, torch.Tensor]:
         _product(x2, w, out, slice(0, M), slice(0, M), runs)
         return out, (x2.clone() if keep else x.new_empty(0))  # (x2 may be x: the op's input)
-    p, s, n = call.plan, call.stream, call.plan.n_chunks
-    t = call.transport
-    with call:  # (its exit waits for the exchange, and closes the watch)
+
+    def issue(on: Streams) -> tuple[torch.Tensor, torch.Tensor]:
+        t, s = on.transport, on.comm
         recv = x.new_empty(rows, K)
         send = x2.index_select(0, t.order(sends, n, x.device, to_slots=True))
         if s is not None:
-            s.wait_stream(call.caller)  # `send` is made on the caller stream
+            s.wait_stream(on.caller)  # `send` is made on the caller stream
         guard.arm()
-        t.run_splits(p, send, recv, lambda c: None, lambda c: call.mark(c, s), s)
+        t.run_splits(p, send, recv, lambda c: None, lambda c: on.mark(c, s), s)
         for c, bands in enumerate(band_rows(receives, n)):
-            call.waiter(call.caller)(c)
+            on.waiter(on.caller)(c)
             for std, slot in bands:
                 _product(recv, w, out, slot, std, runs, ids_at_dst=True)
         full = recv.index_select(0, t.order(receives, n, x.device, to_slots=False)) if keep \
             else x.new_empty(0)  # fmt: skip
-    return out, full
+        return out, full
+
+    # (validation agrees on the exchanged rows' width: the dispatch sends x)
+    return run_exchange(x, group, p, cls, "all_to_all_grouped_matmul", {"width": K}, plain,
+                        issue)  # fmt: skip
 
 
 def _split_out(out, shape, x, w) -> torch.Tensor:
@@ -107,64 +117,6 @@ def _split_out(out, shape, x, w) -> torch.Tensor:
         return x.new_empty(shape)
     check_out(out, shape, x, w)
     return out
-
-
-class _SplitCall:
-    """What an uneven all-to-all call of either direction sets up: its plan (validated when
-    validation is on: ``label``, the op, and its sizes ``agreed``, by default the exchanged
-    rows' width), and off world size 1 the context, transport, streams and events (``ctx``
-    is None at world size 1)."""
-
-    def __init__(self, x, group, backend, chunks, sends, receives, N, K, label: str,
-                 agreed: dict | None = None) -> None:  # fmt: skip
-        self.plan = split_plan(sends, receives, N, K, chunks, backend)
-        self.ctx = self.stream = self.caller = self.events = self.watch = None
-        if self.plan.path != "overlap":
-            stats.count(label, how(self.plan))
-            return
-        self.ctx = context(group, x.device)
-        validating = guard.validating()
-        if validating:
-            if agreed is None:  # the exchanged rows' width: x @ w's (the dispatch passes x's)
-                agreed = {"width": N}
-            p = self.plan
-            fp = guard.fingerprint(label, x.dtype, agreed, p.layout())
-            guard.agree(group, fp, p.describe(), p.splits)
-        stats.count(label, how(self.plan))  # (after the agreement: a refused call ran nothing)
-        self.transport = self.ctx.transport(comm.select_uneven(backend))
-        self.stream = self.ctx.comm_stream
-        if self.stream is not None:
-            self.caller = torch.cuda.current_stream(x.device)
-            self.events = self.transport.events(self.plan.n_chunks)
-            self.stream.wait_stream(self.caller)
-            self.capturing = capturing(x)
-            if validating and not self.capturing:
-                self.watch = guard.Watch(self.stream, self.transport.fail, self.plan.describe())
-
-    def mark(self, c: int, stream) -> None:
-        """Chunk ``c`` is done on ``stream`` (an event; nothing on CPU)."""
-        if self.events is not None:
-            self.events[c].record(stream)
-
-    def waiter(self, stream):
-        """``wait(c)``: ``stream`` waits for chunk ``c``'s mark."""
-        if stream is None:
-            return lambda c: None
-        return lambda c: stream.wait_event(self.events[c])
-
-    def __enter__(self) -> _SplitCall:
-        return self
-
-    def __exit__(self, kind, error, tb) -> None:
-        """The caller waits for the communication stream; validation mode's watch, told of
-        the exception the call raised (``error``), if any."""
-        if self.stream is None:
-            return
-        self.caller.wait_stream(self.stream)
-        if self.watch is not None:
-            self.watch.close(error)
-        elif self.transport.watched and not (self.capturing or guard.validating()):
-            guard.watchdog.issued(self.transport, self.caller, self.plan)
 
 
 def _product(x2, w, y, src: slice, dst: slice, runs, ids_at_dst: bool = False) -> None:
