@@ -19,10 +19,10 @@
 Each family's file holds its checks, forward, custom op (schema, fake, autograd) and
 backward. For ``overlap.nn`` and ``overlap.tune``: ``world`` (a group's size, 1 where
 ``torch.distributed`` is not initialized), ``capturing`` and ``check_operands`` (the ops'
-checks).
+checks, of a ``Call``: a matmul + collective call's values besides its tensors).
 """
 
-from ._checks import capturing, check_operands, world
+from ._checks import Call, capturing, check_operands, world
 from .bags import embedding_bag_all_to_all
 from .dense import matmul_all_to_all, matmul_allreduce, matmul_collective, matmul_reduce_scatter
 from .engine import plan
@@ -30,6 +30,7 @@ from .exchange import all_to_all_grouped_matmul, grouped_matmul_all_to_all
 from .gather import all_gather_matmul
 
 __all__ = [
+    "Call",
     "all_gather_matmul",
     "capturing",
     "check_operands",

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from ..collectives import collective
 from . import exchange
 from ._autograd import call, custom_op, differentiable, fake
-from ._checks import check_operands, check_splits, group_of, name_of, via_op, world
+from ._checks import Call, check_operands, check_splits, group_of, name_of, via_op, world
 from ._columns import joined, stacked
 from .engine import plain_again, run_after, run_before
 
@@ -104,7 +104,8 @@ def _call(x, w, collective, group, op, out, backend, chunks, sends, receives, la
         y, sig = plain_again(x, w, collective, group, op, backend, chunks, label)
         if y is not None:
             return y
-    if check_operands(x, w, collective, op, backend, group, chunks).before:
+    call = Call(collective, group, op, backend, chunks)  # (one per call of the full way)
+    if check_operands(x, w, call).before:
         raise ValueError(f"collective={collective!r} gathers x before the matmul: call "
                          "overlap.all_gather_matmul")  # fmt: skip
     split = sends is not None or receives is not None
@@ -114,11 +115,11 @@ def _call(x, w, collective, group, op, out, backend, chunks, sends, receives, la
     gname = None if sig is not None else via_op(x, w, out, group)
     if gname is not None:
         extra = (list(splits[0]), list(splits[1])) if split else ()
-        call = Dense(collective, gname, op, backend, chunks, label, *extra)
-        return _differentiable(x, w, [], call)
+        described = Dense(collective, gname, op, backend, chunks, label, *extra)
+        return _differentiable(x, w, [], described)
     if split:
         return exchange.split_forward(x, w, group, out, backend, chunks, *splits, None, label)
-    return run_after(x, w, collective, group, op, out, backend, chunks, label, sig)
+    return run_after(x, w, call, label, out, sig)
 
 
 def matmul_allreduce(
@@ -222,7 +223,7 @@ def _matmul_collective_op(
         splits = check_splits(x, call.collective, call.sends, call.receives, pg)
         return exchange.split_forward(x, w, pg, None, call.backend, call.chunks, *splits, None,
                                       call.label)  # fmt: skip
-    return run_after(x, w, call.collective, pg, call.op, None, call.backend, call.chunks,
+    return run_after(x, w, Call(call.collective, pg, call.op, call.backend, call.chunks),
                      call.label)  # fmt: skip
 
 
@@ -282,8 +283,8 @@ def _backward_op(
         if need_dx:
             # (the all-gather's dual: counted as the public op that runs it)
             cover = (g2.t(), x2, dw_t) if dw_t is not None else ()
-            dx = run_after(g2, w.t(), spec.dual, pg, "sum", None, "auto", None,
-                           "matmul_reduce_scatter", cover=cover)  # fmt: skip
+            dx = run_after(g2, w.t(), Call(spec.dual, pg), "matmul_reduce_scatter",
+                           cover=cover)  # fmt: skip
             if g_x is not None:  # x_full was used: its gradient, reduce-scattered (plain)
                 part = torch.empty_like(dx)
                 collective(spec.dual).plain(g_x.contiguous(), part, pg)
@@ -292,7 +293,7 @@ def _backward_op(
     elif spec.dual is not None:  # reduce-scatter: dx = all_gather_matmul(g, w^T)
         if need_dx:
             cover = (x2, dw_t) if dw_t is not None else ()
-            dx, gp = run_before(g2, w.t(), pg, None, "auto", None, False, cover)
+            dx, gp = run_before(g2, w.t(), Call("all_gather", pg), None, False, cover)
             dx = dx.reshape(x.shape)
         else:
             gp = g2.new_empty(g2.shape[0] * R, g2.shape[1])

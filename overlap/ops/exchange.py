@@ -27,6 +27,7 @@ from ..collectives import collective
 from ..plan import band_rows
 from ._autograd import call, custom_op, differentiable, fake
 from ._checks import (
+    Call,
     check_chunks,
     check_operands,
     check_out,
@@ -293,7 +294,7 @@ def _check_grouped(x, w, expert_ids, sends, receives, backend, group, received: 
         raise TypeError(f"w must be a torch.Tensor [E, K, N], got {type(w).__name__}")
     if w.dim() != 3 or w.shape[0] < 1:
         raise ValueError(f"w must be [E, K, N] with E >= 1, got {getattr(w, 'shape', w)}")
-    check_operands(x, w[0], "all_to_all", "sum", backend, group)
+    check_operands(x, w[0], Call("all_to_all", group, "sum", backend))
     splits = check_splits(x, "all_to_all", sends, receives, group)
     rows = sum(splits[1]) if received else math.prod(x.shape[:-1])
     what = "received row" if received else "row of x"

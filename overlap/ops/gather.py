@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ._autograd import call, custom_op, differentiable, fake
-from ._checks import check_operands, group_of, needs_grad, via_op, world
+from ._checks import Call, check_operands, group_of, needs_grad, via_op, world
 from ._columns import joined, side_by_side
 from .dense import _backward_op
 from .engine import run_before
@@ -70,25 +70,27 @@ def all_gather_matmul(
     if not isinstance(return_gathered, bool):
         raise TypeError(f"return_gathered must be a bool, got {type(return_gathered).__name__}")
     if isinstance(w, (list, tuple)):
-        sizes = _check_columns(x, w, out, backend, group, chunks)
+        call = Call("all_gather", group, "sum", backend, chunks)
+        sizes = _check_columns(x, w, out, call)
         # (under torch.compile the op joins them where it runs: ``_columns``)
         w, others = (w[0], list(w[1:])) if torch.compiler.is_compiling() else (side_by_side(w), [])
-        y, full = _gathered(x, w, others, group, return_gathered, None, backend, chunks)
+        y, full = _gathered(x, w, others, call, return_gathered, None)
         ys = list(y.split(sizes, dim=1))
         return (ys, full) if return_gathered else ys
-    check_operands(x, w, "all_gather", "sum", backend, group, chunks)
-    y, full = _gathered(x, w, [], group, return_gathered, out, backend, chunks)
+    call = Call("all_gather", group, "sum", backend, chunks)
+    check_operands(x, w, call)
+    y, full = _gathered(x, w, [], call, return_gathered, out)
     return (y, full) if return_gathered else y
 
 
-def _gathered(x, w, others, group, return_gathered, out, backend, chunks):
+def _gathered(x, w, others, call: Call, return_gathered, out):
     """``(x_full @ [w, *others] side by side, x_full or None)``, checked arguments: through
     the custom op where autograd or ``torch.compile`` needs it, else directly."""
-    gname = via_op(x, w, out, group)
+    gname = via_op(x, w, out, call.group)
     if gname is not None:
         keep = return_gathered or needs_grad(x, w, *others)  # the backward needs x_full
-        return _differentiable(x, w, others, Gather(gname, backend, chunks, keep))
-    return run_before(x, w, group, out, backend, chunks, return_gathered)
+        return _differentiable(x, w, others, Gather(gname, call.backend, call.chunks, keep))
+    return run_before(x, w, call, out, return_gathered)
 
 
 class Gather(NamedTuple):
@@ -107,8 +109,8 @@ def _all_gather_matmul_op(
     """``all_gather_matmul`` as a custom op: ``(result, x_full)`` (``x_full`` empty unless
     ``call.keep``); ``others``: further weights, side by side with ``w`` (``_columns``; empty
     outside ``torch.compile``)."""
-    return run_before(x, joined([w, *others]), group_of(call.group), None, call.backend,
-                      call.chunks, call.keep)  # fmt: skip
+    gather = Call("all_gather", group_of(call.group), "sum", call.backend, call.chunks)
+    return run_before(x, joined([w, *others]), gather, None, call.keep)
 
 
 @fake(_all_gather_matmul_op)
@@ -145,7 +147,7 @@ def _gather_backward(ctx, need, g, g_full):
 _differentiable = differentiable(_all_gather_matmul_op, _gather_setup, _gather_backward)
 
 
-def _check_columns(x, ws, out, backend, group, chunks) -> list[int]:
+def _check_columns(x, ws, out, call: Call) -> list[int]:
     """Raises on invalid arguments of ``all_gather_matmul`` with a list of weights ``ws``;
     returns their widths ``N_i``."""
     if not ws:
@@ -154,7 +156,7 @@ def _check_columns(x, ws, out, backend, group, chunks) -> list[int]:
         raise ValueError("out= takes one weight's result; w is a list (its results are views)")
     for i, wi in enumerate(ws):
         try:
-            check_operands(x, wi, "all_gather", "sum", backend, group, chunks)
+            check_operands(x, wi, call)
         except (TypeError, ValueError) as e:
             raise type(e)(f"w[{i}]: {e}") from None
     return [wi.shape[1] for wi in ws]
