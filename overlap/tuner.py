@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from . import comm, guard
 from .context import set_tuned, tuned_key
-from .ops import all_gather_matmul, capturing, check_operands, matmul_collective
+from .ops import Call, all_gather_matmul, capturing, check_operands, matmul_collective
 from .plan import MAX_CHUNKS
 
 _TRANSPORT_VARS = ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "NCCL_P2P_LEVEL", "NCCL_NET")
@@ -161,7 +161,7 @@ def tune(
             collective (validation mode: before it).
         TimeoutError: (validation mode) a rank did not call, found before any host collective.
     """
-    before = check_operands(x, w, collective, "sum", "torch", group).before
+    before = check_operands(x, w, Call(collective, group, "sum", "torch")).before
     if capturing(x):
         raise RuntimeError("overlap.tune times calls: run it before CUDA-graph capture")
     if not candidates or iters < 1:

@@ -42,6 +42,7 @@ QUICK = (
     "tests/test_all_gather.py::test_forward_two_ranks",
     "tests/test_uneven.py::test_uneven_all_to_all[2]",
     "tests/test_embedding.py::test_embedding_bag_all_to_all[2]",
+    "tests/test_run_exchange.py",
     # the layers (overlap.nn)
     "tests/test_nn.py::test_layers_match_the_unsharded_linear[2]",
     "tests/test_nn.py::test_share_input_after_an_in_place_change",

@@ -21,10 +21,11 @@ def test_eager_autograd_takes_the_function():
     x, w, g = torch.randn(24, 16), torch.randn(16, 8), torch.randn(24, 8)
     for name, eager, op in (
         ("matmul_collective", lambda a, b: overlap.matmul_collective(a, b),
-         lambda a, b: torch.ops.overlap.matmul_collective(a, b, "all_reduce", "", "sum",
-                                                          "auto", None, "matmul_collective", [])),
+         lambda a, b: torch.ops.overlap.matmul_collective(a, b, [], "all_reduce", "", "sum",
+                                                          "auto", None, "matmul_collective",
+                                                          None, None)),
         ("all_gather_matmul", lambda a, b: overlap.all_gather_matmul(a, b),
-         lambda a, b: torch.ops.overlap.all_gather_matmul(a, b, "", "auto", None, True, [])[0]),
+         lambda a, b: torch.ops.overlap.all_gather_matmul(a, b, [], "", "auto", None, True)[0]),
     ):  # fmt: skip
         fn_e, y_e, dx_e, dw_e = _grads(eager, x, w, g)
         fn_o, y_o, dx_o, dw_o = _grads(op, x, w, g)
@@ -51,8 +52,9 @@ def test_stacked_row_blocks_gradients():
 
     def op(a, *bs):
         return torch.ops.overlap.matmul_collective(
-            a, bs[0], "all_reduce", "", "sum", "auto", None, "matmul_allreduce", list(bs[1:])
-        )
+            a, bs[0], list(bs[1:]), "all_reduce", "", "sum", "auto", None, "matmul_allreduce",
+            None, None,
+        )  # fmt: skip
 
     for name, fn in (("eager", op), ("compiled", torch.compile(op, backend="aot_eager"))):
         xa, bs = x.clone().requires_grad_(), [b.clone().requires_grad_() for b in blocks]

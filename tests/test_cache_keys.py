@@ -26,6 +26,7 @@ import overlap
 from overlap import guard
 from overlap.context import forget, set_tuned, tuned_key
 from overlap.graphs import record
+from overlap.ops import Call
 from overlap.ops.engine import decide
 
 BASE = dict(M=256, K=40, N=48, dtype=torch.float32, collective="all_reduce", chunks=4,
@@ -90,8 +91,9 @@ def _plans(rank, R, seed):
                         f"  {fresh}")  # fmt: skip
     set_tuned(pair, x.device, key, None)
     for group in (pair, None):
-        sig = record.signature(name, group, "sum", backend, None, x, w)
-        ctx = decide(x, w, name, group, None, backend, False, sig).ctx
+        call = Call(name, group, "sum", backend, None)
+        sig = record.signature(x, w, *call)
+        ctx = decide(x, w, call, False, sig).ctx
         if ctx.group is not (group if group is not None else dist.group.WORLD):  # (None: the
             # default group of the moment, guard.default)
             failures.append(f"a call of group {group} got the context of group {ctx.group}")
@@ -143,7 +145,7 @@ def test_record_signature_has_every_field(monkeypatch):
     args = ("all_reduce", None, "sum", "ce", 4)
 
     def sig(*a, x=x, w=w):
-        return record.signature(*(a or args), _AsCuda(x), _AsCuda(w))
+        return record.signature(_AsCuda(x), _AsCuda(w), *(a or args))
 
     base = sig()
     variants = {
@@ -158,8 +160,8 @@ def test_record_signature_has_every_field(monkeypatch):
         "w's address": sig(w=w.clone()),
         "w's strides": sig(w=w_t),
         "w's shape": sig(w=wbuf.view(K // 2, 2 * N)),
-        "x's device": record.signature(*args, _AsCuda(x, 1), _AsCuda(w)),
-        "w's device": record.signature(*args, _AsCuda(x), _AsCuda(w, 1)),
+        "x's device": record.signature(_AsCuda(x, 1), _AsCuda(w), *args),
+        "w's device": record.signature(_AsCuda(x), _AsCuda(w, 1), *args),
     }
     stream[0] = 8
     variants["caller stream"] = sig()
@@ -185,10 +187,10 @@ def test_record_signature_has_every_field(monkeypatch):
 def test_record_signature_none_in_validation_mode():
     """Validation mode keeps nothing: no key."""
     x, w = torch.randn(4, 3), torch.randn(3, 2)
-    assert record.signature("all_reduce", None, "sum", "ce", 4, x, w) is not None
+    assert record.signature(x, w, "all_reduce", None, "sum", "ce", 4) is not None
     guard.configure(validate=True)
     try:
-        assert record.signature("all_reduce", None, "sum", "ce", 4, x, w) is None
+        assert record.signature(x, w, "all_reduce", None, "sum", "ce", 4) is None
     finally:
         guard.configure(validate=False)
 

@@ -130,6 +130,23 @@ def test_checks_after_a_memo_hit():
             assert mismatch(got, x3.double().reshape(8, 16) @ w.double(), 1e-5) is None
 
 
+def test_the_fast_lane_finds_what_the_full_way_decided():
+    """The full way keys the memo with a ``Call``'s values (``record.signature(x, w,
+    *call)``), the fast lane with the same values passed one by one: their orders agree, so a
+    call decided on the full way (``overlap.plan``, a call with ``out=``, an "avg" call) takes
+    the fast lane at its first call (world size 1)."""
+    x, w = torch.randn(8, 16), torch.randn(16, 8)
+    with _full_way_counted() as entered:
+        overlap.plan(x, w, "all_reduce", chunks=2, backend="torch")
+        overlap.matmul_allreduce(x, w, chunks=2, backend="torch")
+        assert entered[0] == 0, "a call decided by overlap.plan took the full way"
+        overlap.matmul_allreduce(x, w, op="avg", out=torch.empty(8, 8))
+        assert entered[0] == 1
+        y = overlap.matmul_allreduce(x, w, op="avg")
+        assert entered[0] == 1, "a call decided with out= took the full way without it"
+        assert mismatch(y, x.double() @ w.double(), TOL[torch.float32]) is None
+
+
 def _overlapped_once(rank, R, seed):
     """Eager overlapped calls (sum and avg, new ``x`` each): right results, one signature
     each, counted as overlapped."""

@@ -3,7 +3,7 @@ own orchestration: the call engine's ``overlapped`` (the real kernel under Trito
 interpreter counting tiles per chunk, a stream wait per chunk's counter, one collective per
 chunk) and ``_gathered`` (the all-gather, an event per chunk, cuBLAS per band after its
 events), and the uneven exchanges' events (``exchange.split_forward``,
-``dispatch_forward``, the embedding bags, all through ``_SplitCall``).
+``dispatch_forward``, the embedding bags, all through ``engine.run_exchange``).
 
 gloo and the interpreter run synchronously, so a missing wait cannot show in the multi-rank
 tests; here every collective is an op of its rank's communication stream, run once every
@@ -140,11 +140,11 @@ def _splits(g, R, rows):
 
 
 def _exchange(sim, R, ahead, slow, monkeypatch, issue, make):
-    """Two uneven exchanges in flight on every rank through ``exchange._SplitCall`` (its
+    """Two uneven exchanges in flight on every rank through ``engine.run_exchange`` (its
     context: rank r's while rank r issues)."""
     contexts = _contexts(sim, R)
     at = [0]
-    monkeypatch.setattr(exchange, "context", lambda group, device: contexts[at[0]])
+    monkeypatch.setattr(engine, "context", lambda group, device: contexts[at[0]])
 
     def issue_at(r, ctx, *args):
         at[0] = r

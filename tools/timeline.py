@@ -23,6 +23,7 @@ def measure(shape: str, collective: str, chunks: int | None, out: str, backend: 
     import triton.language as tl
 
     from overlap.collectives import collective as spec
+    from overlap.ops import Call
     from overlap.ops.engine import decide, overlapped
 
     @triton.jit
@@ -45,7 +46,8 @@ def measure(shape: str, collective: str, chunks: int | None, out: str, backend: 
     g = torch.Generator(device=dev).manual_seed(7 + dist.get_rank())
     x = torch.randn(M, K, device=dev, dtype=torch.bfloat16, generator=g)
     w = torch.randn(N, K, device=dev, dtype=torch.bfloat16, generator=g).t()
-    p, ctx, cls = decide(x, w, collective, None, chunks, backend, False)
+    known = decide(x, w, Call(collective, None, "sum", backend, chunks), False, None)
+    p, ctx, cls = known.plan, known.ctx, known.cls
     assert p.path == "overlap", p.describe()
     out2 = torch.empty(spec(collective).result_shape((M, K), N, R), device=dev, dtype=x.dtype)
     if cls.sized:

@@ -77,18 +77,19 @@ class Record(NamedTuple):
     spare: tuple[torch.cuda.CUDAGraph, tuple[int, ...]] | None = None
 
 
-def signature(name, group, op, backend, chunks, x, w) -> tuple | None:
+def signature(x, w, collective, group, op, backend, chunks) -> tuple | None:
     """The key of an eager call's memo (``context.calls``) and, with its ``outputs``, of its
-    recorded graph: its arguments, the caller stream, the input's device, dtype, shape,
-    strides and 16-byte alignment (the kernel's TMA loads), the weight's device, address,
-    dtype, shape and strides: every value the argument checks read (``_checks.py``) and the
-    plan depends on. None in validation mode (nothing is kept)."""
+    recorded graph: its arguments (a ``_checks.Call``'s values, in its order: the full way
+    passes ``*call``, the fast lane the same values one by one), the caller stream, the
+    input's device, dtype, shape, strides and 16-byte alignment (the kernel's TMA loads), the
+    weight's device, address, dtype, shape and strides: every value the argument checks read
+    (``_checks.py``) and the plan depends on. None in validation mode (nothing is kept)."""
     if guard.validating():
         return None
     if group is None:  # the default group of the moment: a call made before init_process_group
         group = dist.group.WORLD  # (world size 1) must not answer for one made after it
     stream = current_raw_stream(x.device) if x.is_cuda else 0
-    return (name, group, op, backend, chunks, x.device, stream, x.data_ptr() % 16,
+    return (collective, group, op, backend, chunks, x.device, stream, x.data_ptr() % 16,
             x.dtype, x.shape, x.stride(), w.device, w.data_ptr(), w.dtype, w.shape,
             w.stride())  # fmt: skip
 

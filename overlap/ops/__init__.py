@@ -7,7 +7,8 @@
   ``grouped_matmul_all_to_all`` and dispatch ``all_to_all_grouped_matmul``);
 - ``bags.py``: ``embedding_bag_all_to_all``;
 - ``engine.py``: the stages every op runs (``decide``, ``overlapped``: what
-  ``tools/timeline.py`` traces); a repeated eager call replays a CUDA graph of itself through
+  ``tools/timeline.py`` traces; the uneven exchanges' ``decide_exchange`` and
+  ``run_exchange``); a repeated eager call replays a CUDA graph of itself through
   ``overlap.graphs`` (the layer below);
 - ``_columns.py``: a list of weights side by side or stacked (a view where they are
   adjacent), joined where a call runs, also under ``torch.compile``;
@@ -17,10 +18,10 @@
 Each family's file holds its checks, forward, custom op (schema, fake, autograd) and
 backward. For ``overlap.nn`` and ``overlap.tune``: ``world`` (a group's size, 1 where
 ``torch.distributed`` is not initialized), ``capturing`` and ``check_operands`` (the ops'
-checks).
+checks, of a ``Call``: a matmul + collective call's values besides its tensors).
 """
 
-from ._checks import capturing, check_operands, world
+from ._checks import Call, capturing, check_operands, world
 from .bags import embedding_bag_all_to_all
 from .dense import matmul_all_to_all, matmul_allreduce, matmul_collective, matmul_reduce_scatter
 from .engine import plan
@@ -28,6 +29,7 @@ from .exchange import all_to_all_grouped_matmul, grouped_matmul_all_to_all
 from .gather import all_gather_matmul
 
 __all__ = [
+    "Call",
     "all_gather_matmul",
     "capturing",
     "check_operands",

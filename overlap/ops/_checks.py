@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -54,9 +55,24 @@ def check_chunks(chunks) -> None:
         raise ValueError(f"chunks must be in [2, {MAX_CHUNKS}], got {chunks}")
 
 
-def check_operands(x, w, name: str, op: str, backend: str, group, chunks=None) -> Collective:
-    """Raises on invalid arguments of a matmul + ``name`` call; returns the collective's
-    table entry."""
+class Call(NamedTuple):
+    """A matmul + collective call, besides its tensors, ``out`` and the public op that made it:
+    the values its checks read (``check_operands``) and its memo keys (``record.signature``,
+    whose arguments after ``x`` and ``w`` are these, in this order). Made once per call that
+    takes the engine's full way (the plain path's fast lane, ``engine.plain_again``, builds
+    none: it is given the values)."""
+
+    collective: str
+    group: dist.ProcessGroup | None
+    op: str = "sum"
+    backend: str = "auto"
+    chunks: int | None = None
+
+
+def check_operands(x, w, call: Call) -> Collective:
+    """Raises on invalid arguments of a matmul + collective call ``call``; returns the
+    collective's table entry."""
+    name, group, op, backend, chunks = call
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if not isinstance(w, torch.Tensor):

@@ -1,10 +1,11 @@
 """``embedding_bag_all_to_all``: model-parallel embedding tables and the all-to-all over
-batch slices, overlapped band by band (an uneven exchange: ``exchange._SplitCall``), with
-its custom op and backward."""
+batch slices, overlapped band by band (an uneven exchange, run by ``engine.run_exchange``),
+with its custom op and backward."""
 
 from __future__ import annotations
 
 import contextlib
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -13,8 +14,9 @@ import torch.nn.functional as F
 from .. import guard
 from ..context import check_group
 from ..plan import DEFAULT_SPLIT_CHUNKS
+from ._autograd import custom_op, fake, register
 from ._checks import DTYPES, check_backend, check_chunks, group_of, name_of, world
-from .exchange import _SplitCall
+from .engine import Streams, decide_exchange, run_exchange
 
 _BAG_MODES = ("sum", "mean", "max")
 
@@ -94,9 +96,8 @@ def embedding_bag_all_to_all(
                          f"this rank's {D}), got {rank_dims!r}")  # fmt: skip
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in tables)
     if grad or torch.compiler.is_compiling():
-        return torch.ops.overlap.embedding_bag_all_to_all(
-            tables, indices, offsets, name_of(group), mode, list(rank_dims), backend, chunks
-        )
+        call = Bags(name_of(group), mode, list(rank_dims), backend, chunks)
+        return _bags_op(list(tables), list(indices), list(offsets), *call)
     return _bags_forward(
         tables, indices, offsets, group, mode, tuple(rank_dims), backend, chunks, B
     )
@@ -159,13 +160,11 @@ def _bags_forward(tables, indices, offsets, group, mode, rank_dims, backend, chu
     # per chunk, elements (rows of width 1) received from and sent to every rank
     layout = [([(hi - lo) * d for d in rank_dims], [(hi - lo) * D] * R) for lo, hi in bands]
     sends, receives = tuple(b * D for _ in range(R)), tuple(b * d for d in rank_dims)
-    agreed = {"bags": B, "mode": mode}  # (validation; with the splits B implies rank_dims)
-    call = _SplitCall(t0, group, backend, chunks, sends, receives, 1, 0,
-                      "embedding_bag_all_to_all", agreed)  # (n chunks)  # fmt: skip
-    if R == 1:  # (counted by _SplitCall, as every op's call)
-        return pool(0, B)
-    p, s, starts = call.plan, call.stream, [sum(rank_dims[:s_]) for s_ in range(R)]
-    with call:  # (its exit waits for the exchange, and closes the watch)
+    p, cls = decide_exchange(sends, receives, 1, 0, chunks, backend)  # (n chunks)
+    starts = [sum(rank_dims[:s_]) for s_ in range(R)]
+
+    def issue(on: Streams) -> torch.Tensor:
+        s = on.comm
         out = t0.new_empty(b, sum(rank_dims))
         send, recv = t0.new_empty(B * D, 1), t0.new_empty(b * sum(rank_dims), 1)
         at = 0
@@ -174,9 +173,9 @@ def _bags_forward(tables, indices, offsets, group, mode, rank_dims, backend, chu
             for j in range(R):  # band c of destination j's slice
                 send[at : at + h * D].view(h, D).copy_(pool(j * b + lo, j * b + hi))
                 at += h * D
-            call.mark(c, call.caller)
+            on.mark(c, on.caller)
         guard.arm()
-        call.transport.run_splits(p, send, recv, call.waiter(s), lambda c: None, s, layout)
+        on.transport.run_splits(p, send, recv, on.waiter(s), lambda c: None, s, layout)
         with torch.cuda.stream(s) if s is not None else contextlib.nullcontext():
             at = 0
             for lo, hi in bands:
@@ -184,7 +183,11 @@ def _bags_forward(tables, indices, offsets, group, mode, rank_dims, backend, chu
                     piece = recv[at : at + (hi - lo) * d].view(hi - lo, d)
                     out[lo:hi, starts[s_] : starts[s_] + d] = piece
                     at += (hi - lo) * d
-    return out
+        return out
+
+    agreed = {"bags": B, "mode": mode}  # (validation; with the splits B implies rank_dims)
+    return run_exchange(t0, group, p, cls, "embedding_bag_all_to_all", agreed,
+                        lambda: pool(0, B), issue)  # fmt: skip
 
 
 def _read_edges(t, idx, off, edges: list[int]) -> dict[int, int]:
@@ -217,20 +220,31 @@ def _read_edges(t, idx, off, edges: list[int]) -> dict[int, int]:
     return at
 
 
-@torch.library.custom_op("overlap::embedding_bag_all_to_all", mutates_args=())
+class Bags(NamedTuple):
+    """An embedding-bag call as its custom op takes it, besides its tensors."""
+
+    group: str  # the group's name, "" for None (``name_of``)
+    mode: str
+    rank_dims: list[int]
+    backend: str
+    chunks: int | None
+
+
+@custom_op("overlap::embedding_bag_all_to_all", Bags)
 def _bags_op(
     tables: list[torch.Tensor], indices: list[torch.Tensor], offsets: list[torch.Tensor],
-    group: str, mode: str, rank_dims: list[int], backend: str, chunks: int | None,
+    call: Bags,
 ) -> torch.Tensor:  # fmt: skip
-    """``embedding_bag_all_to_all`` as a custom op (``group``: its name, "" for None)."""
+    """``embedding_bag_all_to_all`` as a custom op."""
     B = offsets[0].numel()
-    return _bags_forward(tables, indices, offsets, group_of(group), mode, tuple(rank_dims),
-                         backend, chunks, B)  # fmt: skip
+    return _bags_forward(tables, indices, offsets, group_of(call.group), call.mode,
+                         tuple(call.rank_dims), call.backend, call.chunks, B)  # fmt: skip
 
 
-@_bags_op.register_fake
-def _(tables, indices, offsets, group, mode, rank_dims, backend, chunks):
-    return tables[0].new_empty(offsets[0].shape[0] // len(rank_dims), sum(rank_dims))
+@fake(_bags_op)
+def _(tables, indices, offsets, call: Bags):
+    R = len(call.rank_dims)
+    return tables[0].new_empty(offsets[0].shape[0] // R, sum(call.rank_dims))
 
 
 @torch.library.custom_op("overlap::embedding_bag_all_to_all_backward", mutates_args=())
@@ -293,21 +307,23 @@ def _(g, tables, indices, offsets, group, mode, rank_dims, need):
     return [torch.empty_like(t) if n else t.new_empty(0) for t, n in zip(tables, need, strict=True)]
 
 
-def _bags_setup(ctx, inputs, output) -> None:
-    tables, indices, offsets, ctx.group, ctx.mode, ctx.rank_dims = inputs[:6]
+def _bags_setup(ctx, tensors, call: Bags, output) -> None:
+    tables, indices, offsets = tensors
+    ctx.call = call
     ctx.n = len(tables)
     ctx.save_for_backward(*tables, *indices, *offsets)
 
 
-def _bags_backward(ctx, g):
-    saved, n = ctx.saved_tensors, ctx.n
+def _bags_backward(ctx, need, g):
+    saved, n, c = ctx.saved_tensors, ctx.n, ctx.call
     tables, indices, offsets = saved[:n], saved[n : 2 * n], saved[2 * n :]
-    need = list(ctx.needs_input_grad[0])  # (one flag per table)
+    need_tables, _, _ = need
+    need = list(need_tables)  # (one flag per table)
     grads = _bags_backward_op(g.contiguous(), list(tables), list(indices), list(offsets),
-                              ctx.group, ctx.mode, ctx.rank_dims, need)  # fmt: skip
+                              c.group, c.mode, c.rank_dims, need)  # fmt: skip
     nones = [None] * n
     grads = [d if needed else None for d, needed in zip(grads, need, strict=True)]
-    return grads, nones, nones, None, None, None, None, None
+    return grads, nones, nones
 
 
-_bags_op.register_autograd(_bags_backward, setup_context=_bags_setup)
+register(_bags_op, _bags_setup, _bags_backward)

@@ -21,14 +21,15 @@ input gradient (tensor parallelism's mirror pairs, ``Collective.dual``).
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from ..collectives import collective
 from . import exchange
-from ._autograd import call, custom_op, differentiable
-from ._checks import check_operands, check_splits, group_of, name_of, via_op, world
+from ._autograd import call, custom_op, differentiable, fake
+from ._checks import Call, check_operands, check_splits, group_of, name_of, via_op, world
 from ._columns import joined, stacked
 from .engine import plain_again, run_after, run_before
 
@@ -103,7 +104,8 @@ def _call(x, w, collective, group, op, out, backend, chunks, sends, receives, la
         y, sig = plain_again(x, w, collective, group, op, backend, chunks, label)
         if y is not None:
             return y
-    if check_operands(x, w, collective, op, backend, group, chunks).before:
+    call = Call(collective, group, op, backend, chunks)  # (one per call of the full way)
+    if check_operands(x, w, call).before:
         raise ValueError(f"collective={collective!r} gathers x before the matmul: call "
                          "overlap.all_gather_matmul")  # fmt: skip
     split = sends is not None or receives is not None
@@ -113,10 +115,11 @@ def _call(x, w, collective, group, op, out, backend, chunks, sends, receives, la
     gname = None if sig is not None else via_op(x, w, out, group)
     if gname is not None:
         extra = (list(splits[0]), list(splits[1])) if split else ()
-        return _differentiable(x, w, collective, gname, op, backend, chunks, label, [], *extra)
+        described = Dense(collective, gname, op, backend, chunks, label, *extra)
+        return _differentiable(x, w, [], described)
     if split:
         return exchange.split_forward(x, w, group, out, backend, chunks, *splits, None, label)
-    return run_after(x, w, collective, group, op, out, backend, chunks, label, sig)
+    return run_after(x, w, call, label, out, sig)
 
 
 def matmul_allreduce(
@@ -188,39 +191,49 @@ def matmul_allreduce_stacked(
     picks, and the weight's address keys the call's decision and record (``_columns``)."""
     if not torch.compiler.is_compiling():
         return matmul_allreduce(x, stacked(ws), group=group)
-    return _matmul_collective_op(x, ws[0], "all_reduce", name_of(group), "sum", "auto", None,
-                                 "matmul_allreduce", list(ws[1:]))  # fmt: skip
+    call = Dense("all_reduce", name_of(group), "sum", "auto", None, "matmul_allreduce")
+    return _matmul_collective_op(x, ws[0], list(ws[1:]), *call)
+
+
+class Dense(NamedTuple):
+    """A matmul + collective call as its custom op takes it, besides its tensors."""
+
+    collective: str
+    group: str  # the group's name, "" for None (``name_of``)
+    op: str
+    backend: str
+    chunks: int | None
+    label: str  # the public op called (``overlap.stats``)
+    sends: list[int] | None = None  # an uneven all-to-all's split sizes (None: equal splits)
+    receives: list[int] | None = None
 
 
 # The op as a torch custom op: torch.compile(fullgraph=True) keeps it whole (Dynamo cannot
 # trace the library's Python: locks, driver calls), and autograd runs the registered backward.
 # A group travels as its name ("" for None); the ops resolve it in Python, outside tracing.
-@custom_op("overlap::matmul_collective")
+@custom_op("overlap::matmul_collective", Dense)
 def _matmul_collective_op(
-    x: torch.Tensor, w: torch.Tensor, collective: str, group: str, op: str, backend: str,
-    chunks: int | None, label: str, others: list[torch.Tensor], sends: list[int] | None = None,
-    receives: list[int] | None = None,
-) -> torch.Tensor:  # fmt: skip
-    """``matmul_collective`` as a custom op; ``group``: the group's name, "" for None;
-    ``label``: the public op called (``overlap.stats``); ``others``: further row blocks of
-    ``w`` (``[K_i, N]``), stacked below it here (``matmul_allreduce_stacked``; empty
-    otherwise); ``sends``, ``receives``: the all-to-all's split sizes (left out for equal
-    splits)."""
-    pg = group_of(group)
+    x: torch.Tensor, w: torch.Tensor, others: list[torch.Tensor], call: Dense
+) -> torch.Tensor:
+    """``matmul_collective`` as a custom op; ``others``: further row blocks of ``w``
+    (``[K_i, N]``), stacked below it here (``matmul_allreduce_stacked``; empty otherwise)."""
+    pg = group_of(call.group)
     w = stacked([w, *others]) if others else w
-    if sends is not None:
-        splits = check_splits(x, collective, sends, receives, pg)
-        return exchange.split_forward(x, w, pg, None, backend, chunks, *splits, None, label)
-    return run_after(x, w, collective, pg, op, None, backend, chunks, label)
+    if call.sends is not None:
+        splits = check_splits(x, call.collective, call.sends, call.receives, pg)
+        return exchange.split_forward(x, w, pg, None, call.backend, call.chunks, *splits, None,
+                                      call.label)  # fmt: skip
+    return run_after(x, w, Call(call.collective, pg, call.op, call.backend, call.chunks),
+                     call.label)  # fmt: skip
 
 
-@_matmul_collective_op.register_fake
-def _(x, w, collective_name, group, op, backend, chunks, label, others, sends=None,
-      receives=None):  # fmt: skip
-    if sends is not None:
-        return x.new_empty(sum(receives), w.shape[1])
-    R = world(group_of(group))
-    return x.new_empty(collective(collective_name).result_shape(tuple(x.shape), w.shape[1], R))
+@fake(_matmul_collective_op)
+def _(x, w, others, call: Dense):
+    if call.sends is not None:
+        return x.new_empty(sum(call.receives), w.shape[1])
+    R = world(group_of(call.group))
+    shape = collective(call.collective).result_shape(tuple(x.shape), w.shape[1], R)
+    return x.new_empty(shape)
 
 
 @custom_op("overlap::matmul_collective_backward")
@@ -270,8 +283,8 @@ def _backward_op(
         if need_dx:
             # (the all-gather's dual: counted as the public op that runs it)
             cover = (g2.t(), x2, dw_t) if dw_t is not None else ()
-            dx = run_after(g2, w.t(), spec.dual, pg, "sum", None, "auto", None,
-                           "matmul_reduce_scatter", cover=cover)  # fmt: skip
+            dx = run_after(g2, w.t(), Call(spec.dual, pg), "matmul_reduce_scatter",
+                           cover=cover)  # fmt: skip
             if g_x is not None:  # x_full was used: its gradient, reduce-scattered (plain)
                 part = torch.empty_like(dx)
                 collective(spec.dual).plain(g_x.contiguous(), part, pg)
@@ -280,7 +293,7 @@ def _backward_op(
     elif spec.dual is not None:  # reduce-scatter: dx = all_gather_matmul(g, w^T)
         if need_dx:
             cover = (x2, dw_t) if dw_t is not None else ()
-            dx, gp = run_before(g2, w.t(), pg, None, "auto", None, False, cover)
+            dx, gp = run_before(g2, w.t(), Call("all_gather", pg), None, False, cover)
             dx = dx.reshape(x.shape)
         else:
             gp = g2.new_empty(g2.shape[0] * R, g2.shape[1])
@@ -306,25 +319,24 @@ def _(g, x, w, collective_name, group, op, need_dx, need_dw, others, g_x=None, s
     return x.new_empty(dx_shape if need_dx else 0), dw_t
 
 
-def _setup(ctx, inputs, output) -> None:
-    x, w, ctx.collective, ctx.group, ctx.op = inputs[:5]
-    ctx.splits = tuple(inputs[9:])  # (sends, receives) of an uneven all-to-all, or ()
-    ctx.save_for_backward(x, w, *inputs[8])
+def _setup(ctx, tensors, call: Dense, output) -> None:
+    x, w, others = tensors
+    ctx.call = call
+    ctx.save_for_backward(x, w, *others)
 
 
-def _backward(ctx, g):
+def _backward(ctx, need, g):
     x, *ws = ctx.saved_tensors
-    need_dx, need_dw = ctx.needs_input_grad[:2]
-    need_dw = need_dw or any(ctx.needs_input_grad[8] or ())  # (the op's: one bool per other)
-    extra = (None, *ctx.splits) if ctx.splits and ctx.splits[0] is not None else ()
+    need_dx, need_dw, need_others = need
+    need_dw = need_dw or any(need_others or ())  # (the op's: one bool per other)
+    c = ctx.call
+    splits = {} if c.sends is None else {"sends": c.sends, "receives": c.receives}
     w = stacked(ws) if len(ws) > 1 else ws[0]  # (further row blocks: internal calls only)
-    dx, dw_t = call(ctx, _backward_op, g, x, w, ctx.collective, ctx.group, ctx.op, need_dx,
-                    need_dw, [], *extra)  # fmt: skip
+    dx, dw_t = call(ctx, _backward_op, g, x, w, c.collective, c.group, c.op, need_dx, need_dw,
+                    [], **splits)  # fmt: skip
     rows = [wi.shape[0] for wi in ws]
     dws = [part.t() for part in dw_t.split(rows, dim=1)] if need_dw else [None] * len(ws)
-    rest = None if getattr(ctx, "eager", False) else dws[1:]  # (the Function's, the op's)
-    splits = [None] * (len(ctx.needs_input_grad) - 9)  # (sends, receives where passed)
-    return dx if need_dx else None, dws[0], *[None] * 6, rest, *splits
+    return dx if need_dx else None, dws[0], dws[1:]
 
 
 _differentiable = differentiable(_matmul_collective_op, _setup, _backward)

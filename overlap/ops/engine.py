@@ -11,7 +11,7 @@
    (``graphs.replay``);
 4. validation mode's agreement (``guard.agree``), before anything is launched;
 5. the producer: the GEMM (``produce``: the Triton kernel counting finished tiles per
-   chunk), or cuBLAS per band (the exchanges, ``exchange.py``);
+   chunk), or the uneven exchanges' own (cuBLAS per band, ``exchange.py``, ``bags.py``);
 6. the transport moves the chunks on the communication stream, each after its chunk;
 7. the consumer (the all-gather's and the dispatch's matmuls, each after its chunk arrived);
 8. the caller stream waits for the communication stream.
@@ -31,7 +31,11 @@ one-shot kernel through the pinned host buffer (``gemm/shot.py``, "host one-shot
 
 The direction decides 5-7: a collective *after* the matmul (``run_after``: the kernel
 produces, the transport moves) or *before* it (``run_before``: the transport gathers, cuBLAS
-consumes band by band). Every call is counted by path (``overlap.stats``).
+consumes band by band). An uneven exchange (the all-to-all with splits, the MoE combine and
+dispatch, the embedding bags) is decided by ``decide_exchange`` (no memo: its splits change
+from call to call) and run by ``run_exchange``: stages 4 and 8, the count and the watch as
+above, around the op's own 5-7 (its ``issue``). Every call is counted by path
+(``overlap.stats``).
 
 Hazards: calls on one stream are serialized by that stream (the caller waits for the
 communication stream at the end of every call, which also makes buffers allocated on the
@@ -75,6 +79,7 @@ from ..plan import (
 )
 from ..signal import wait_counter
 from ._checks import (
+    Call,
     capturing,
     check_operands,
     check_out,
@@ -89,30 +94,35 @@ from ._checks import (
 class Known(NamedTuple):
     """What a call was decided to run: its plan, context and transport class (None at world
     size 1 or on the plain path: nothing to record or replay) and its result's shape (the
-    all-gather's ``[R m, N]``) and its path as ``overlap.stats`` counts it (``how``: made
-    once, not at every call)."""
+    all-gather's ``[R m, N]``), its path as ``overlap.stats`` counts it and the factor its
+    result takes (``how``, ``_scale``: made once, not at every call)."""
 
     plan: Plan | GatherPlan
     ctx: Context | None
     cls: type[Transport] | None
     shape: tuple[int, ...]
     how: str
+    scale: float | None
 
 
 # calls kept in ``context.calls`` before it is emptied (a model's call sites are a few hundred)
 MAX_CALLS = 4096
 
+# a call outside validation mode, watched by nothing (one instance for every call: a
+# nullcontext made per call costs a Python call)
+_UNWATCHED = contextlib.nullcontext()
 
-def decide(x, w, name, group, chunks, backend, capturing: bool, sig: tuple | None) -> Known:
+
+def decide(x, w, call: Call, capturing: bool, sig: tuple | None) -> Known:
     """What a checked call runs: looked up by its signature ``sig`` (``graphs.signature``;
     None while capturing or validating: decided afresh), else decided and kept under it."""
     known = calls.get(sig) if sig is not None else None
     if known is not None:
         return known
-    p, ctx, cls = _decide(x, w, name, group, chunks, backend, capturing)
+    p, ctx, cls = _decide(x, w, call.collective, call.group, call.chunks, call.backend, capturing)
     R = p.world_size
     shape = (p.M, w.shape[1]) if p.spec.before else p.spec.result_shape(tuple(x.shape), p.N, R)
-    known = Known(p, ctx, cls, shape, how(p))
+    known = Known(p, ctx, cls, shape, how(p), _scale(call.op, R))
     if sig is not None:  # (not while capturing: its choice depends on the transport's buffers)
         if len(calls) >= MAX_CALLS:
             calls.clear()
@@ -227,33 +237,41 @@ def plan(
     Raises:
         ValueError, TypeError: on invalid arguments (the same checks as the call).
     """
-    check_operands(x, w, collective, "sum", backend, group, chunks)
+    call = Call(collective, group, "sum", backend, chunks)
+    check_operands(x, w, call)
     if input_split_sizes is None and output_split_sizes is None:
         cap = capturing(x)
-        sig = None if cap else graphs.signature(collective, group, "sum", backend, chunks, x, w)
-        return decide(x, w, collective, group, chunks, backend, cap, sig).plan
+        sig = None if cap else graphs.signature(x, w, *call)
+        return decide(x, w, call, cap, sig).plan
     sends, receives = check_splits(x, collective, input_split_sizes, output_split_sizes, group)
-    return split_plan(sends, receives, w.shape[-1], x.shape[-1], chunks, backend)
+    return decide_exchange(sends, receives, w.shape[-1], x.shape[-1], chunks, backend)[0]
 
 
-def split_plan(
+def decide_exchange(
     sends: tuple[int, ...], receives: tuple[int, ...], N: int, K: int, chunks, backend: str
-) -> SplitPlan:
-    """The plan an uneven exchange runs: ``sends[j]`` rows of ``[M, K] @ [K, N]`` to rank
-    ``j``, ``receives[s]`` from rank ``s``, through ``comm.select_uneven(backend)``."""
+) -> tuple[SplitPlan, type[Transport]]:
+    """What an uneven exchange runs (``run_exchange``): ``(plan, transport class)`` for
+    ``sends[j]`` rows of ``[M, K] @ [K, N]`` to rank ``j``, ``receives[s]`` from rank ``s``,
+    through ``comm.select_uneven(backend)``."""
     cls = comm.select_uneven(backend)
-    return make_split_plan(sends, receives, N, K, chunks=chunks, transport=cls.name)
+    return make_split_plan(sends, receives, N, K, chunks=chunks, transport=cls.name), cls
 
 
-def _agree(group, p: Plan | GatherPlan, dtype, op: str = "sum") -> None:
+def _agree(group, p: Plan | GatherPlan | SplitPlan, dtype, op: str = "sum", what: str = "",
+           sizes: dict | None = None) -> None:  # fmt: skip
     """Validation mode's agreement on a call of plan ``p`` with reduction ``op``
     (``guard.fingerprint``): after the matmul the product's ``M`` and ``N`` travel (``K``
-    is this rank's own); the all-gather moves ``[M, K]`` (``N`` is this rank's own)."""
-    if isinstance(p, GatherPlan):
+    is this rank's own); the all-gather moves ``[M, K]`` (``N`` is this rank's own); an
+    uneven exchange: the op ``what``, its ``sizes`` (every rank's ``M`` differs) and the
+    splits (what each rank sends the other is what that one receives)."""
+    splits = None
+    if isinstance(p, SplitPlan):
+        splits = p.splits
+    elif isinstance(p, GatherPlan):
         what, sizes = "all_gather_matmul", {"M": p.M, "K": p.K}
     else:
         what, sizes = f"matmul_{p.collective}({op})", {"M": p.M, "N": p.N}
-    guard.agree(group, guard.fingerprint(what, dtype, sizes, p.layout()), p.describe())
+    guard.agree(group, guard.fingerprint(what, dtype, sizes, p.layout()), p.describe(), splits)
 
 
 def _watch(ctx: Context, cls, p: Plan | GatherPlan, x: torch.Tensor, capturing: bool):
@@ -279,34 +297,31 @@ def _issued(t: Transport, ctx: Context, p: Plan | GatherPlan) -> None:
 
 
 # -- after the matmul ------------------------------------------------------------------------
-def run_after(
-    x, w, name, group, op, out, backend, chunks, label: str, sig=None, cover: tuple = ()
-) -> torch.Tensor:
-    """A checked matmul + collective ``name`` call without autograd; ``label``: the op, as
-    ``overlap.stats`` counts it; ``sig``: the call's signature where ``plain_again`` made it
-    (an eager call, not captured), None to make it here; ``cover``: ``(a, b, c)``, a product
-    ``c = a @ b`` (the backward's weight gradient) issued on the caller stream where it would
-    otherwise wait for the transfers (``produce``), where the transport ``covers``; else (and
-    on the plain path) after the call."""
+def run_after(x, w, call: Call, label: str, out=None, sig=None, cover: tuple = ()) -> torch.Tensor:
+    """A checked matmul + collective call ``call`` without autograd, into ``out`` (None: a new
+    tensor); ``label``: the op, as ``overlap.stats`` counts it; ``sig``: the call's signature
+    where ``plain_again`` made it (an eager call, not captured), None to make it here;
+    ``cover``: ``(a, b, c)``, a product ``c = a @ b`` (the backward's weight gradient) issued
+    on the caller stream where it would otherwise wait for the transfers (``produce``), where
+    the transport ``covers``; else (and on the plain path) after the call."""
     cap = sig is None and capturing(x)  # (plain_again makes no signature while capturing)
     if sig is None and not cap:
-        sig = graphs.signature(name, group, op, backend, chunks, x, w)
-    p, ctx, cls, shape, path = decide(x, w, name, group, chunks, backend, cap, sig)
+        sig = graphs.signature(x, w, *call)
+    p, ctx, cls, shape, path, scale = decide(x, w, call, cap, sig)
     if cover and not (cls is not None and cls.covers):  # after the call (``Transport``)
-        y = run_after(x, w, name, group, op, out, backend, chunks, label, sig)
+        y = run_after(x, w, call, label, out, sig)
         torch.matmul(*cover[:2], out=cover[2])
         return y
     if out is not None:
         check_out(out, shape, x, w)
-    R, M, N = p.world_size, p.M, p.N
-    scale = _scale(op, R)
+    M, N = p.M, p.N
     validating = ctx is not None and guard.validating()
     if validating:
-        _agree(group, p, x.dtype, op)
+        _agree(call.group, p, x.dtype, call.op)
     if cls is None:  # the plain path (or world size 1)
         stats.count(label, path)
-        with _watch(ctx, cls, p, x, cap) if validating else contextlib.nullcontext():
-            return plain(x, w, out, p, scale, group, shape, ctx)
+        with _watch(ctx, cls, p, x, cap) if validating else _UNWATCHED:
+            return plain(x, w, out, p, scale, call.group, shape, ctx)
     if out is None:
         out = torch.empty(shape, dtype=x.dtype, device=x.device)
     key = None
@@ -319,12 +334,12 @@ def run_after(
             return out
     x2 = x if x.dim() == 2 else x.reshape(M, p.K)
     out2 = out if out.dim() == 2 else out.view(M, N)  # (-1: ambiguous when N = 0)
-    with _watch(ctx, cls, p, x, cap) if validating else contextlib.nullcontext():
-        call = functools.partial(overlapped, x2, w, out2, p, scale, ctx, cls, cover=cover)
+    with _watch(ctx, cls, p, x, cap) if validating else _UNWATCHED:
+        issue = functools.partial(overlapped, x2, w, out2, p, scale, ctx, cls, cover=cover)
         if x2.data_ptr() != x.data_ptr():  # (a copy made x 2-D: nothing to record)
             key = None
         # (a cover's cuBLAS kernel: not rebound, as the all-gather's)
-        updated = graphs.recorded(call, ctx, cls, capturing=cap, key=key,
+        updated = graphs.recorded(issue, ctx, cls, capturing=cap, key=key,
                                    moved=(x, out, *cover), rebound=not cover)  # fmt: skip
         stats.count(label, "updated via " + cls.name if updated else path)
         if cls.watched and not (cap or validating):
@@ -332,14 +347,16 @@ def run_after(
     return out
 
 
-def plain_again(x, w, name, group, op, backend, chunks, label: str) -> tuple:
+def plain_again(x, w, collective, group, op, backend, chunks, label: str) -> tuple:
     """``(result, None)`` for an eager call without ``out`` or autograd whose signature the
     memo holds with the plain path (a call with the same values passed every check and was
     decided before): ``x @ w`` and the collective, with nothing else looked at (host time
     within a few microseconds of torch's own). Otherwise ``(None, sig)``: the call takes the
     full way (``run_after``), whose checks raise for invalid arguments; ``sig`` is the
     signature made here for it (None where none was: autograd, compile, capture, unhashable
-    or non-tensor arguments).
+    or non-tensor arguments). The values come as a ``Call``'s, in its order, but not in one:
+    a ``NamedTuple`` made per call costs a Python call, more than the fast lane's own work
+    saves of it.
 
     A capture is looked at only where the memo does not answer (a CUDA call costs host time):
     a call the memo holds with the plain path was decided so eagerly, with the group's road
@@ -351,7 +368,7 @@ def plain_again(x, w, name, group, op, backend, chunks, label: str) -> tuple:
             torch.compiler.is_compiling():  # fmt: skip
         return None, None
     try:
-        sig = graphs.signature(name, group, op, backend, chunks, x, w)
+        sig = graphs.signature(x, w, collective, group, op, backend, chunks)
         known = calls.get(sig) if sig is not None else None
     except TypeError:  # an unhashable argument: the checks name it
         return None, None
@@ -360,7 +377,7 @@ def plain_again(x, w, name, group, op, backend, chunks, label: str) -> tuple:
         return None, None if capturing(x) else sig
     p = known.plan
     stats.count(label, known.how)
-    return plain(x, w, None, p, _scale(op, p.world_size), group, known.shape, known.ctx), None
+    return plain(x, w, None, p, known.scale, group, known.shape, known.ctx), None
 
 
 def _scale(op: str, R: int) -> float | None:
@@ -510,17 +527,18 @@ def _shot(x, w, out, p: Plan, scale: float | None, ctx: Context, shape) -> torch
 
 
 # -- before the matmul -----------------------------------------------------------------------
-def run_before(x, w, group, out, backend, chunks, keep: bool, cover: tuple = ()):
-    """A checked ``all_gather_matmul`` call without autograd: ``(out, x_full)``, the second
+def run_before(x, w, call: Call, out, keep: bool, cover: tuple = ()):
+    """A checked ``all_gather_matmul`` call ``call`` (its collective "all_gather") without
+    autograd, into ``out`` (None: a new tensor): ``(out, x_full)``, the second
     ``[R m, K]`` when ``keep`` (or a cover needed it) else empty; ``cover``: ``(b, c)``,
     ``c = x_full^T @ b`` (the backward's weight gradient, ``x`` the result's gradient) on the
     caller stream, this rank's rows' share while the others travel (``consume``), where the
     transport ``covers``; else (and on the plain path) after the call."""
     cap = capturing(x)
-    sig = None if cap else graphs.signature("all_gather", group, "sum", backend, chunks, x, w)
-    p, ctx, cls, shape, path = decide(x, w, "all_gather", group, chunks, backend, cap, sig)
+    sig = None if cap else graphs.signature(x, w, *call)
+    p, ctx, cls, shape, path, _ = decide(x, w, call, cap, sig)
     if cover and not (cls is not None and cls.covers):  # after the call (``Transport``)
-        out, full = run_before(x, w, group, out, backend, chunks, True)
+        out, full = run_before(x, w, call, out, True)
         torch.matmul(full.t(), cover[0], out=cover[1])
         return out, full if keep else x.new_empty(0)
     M, K, R = p.M, p.K, p.world_size
@@ -541,14 +559,14 @@ def run_before(x, w, group, out, backend, chunks, keep: bool, cover: tuple = ())
     x2 = x.reshape(M // R, K)
     validating = ctx is not None and guard.validating()
     if validating:
-        _agree(group, p, x.dtype)
-    with _watch(ctx, cls, p, x, cap) if validating else contextlib.nullcontext():
+        _agree(call.group, p, x.dtype)
+    with _watch(ctx, cls, p, x, cap) if validating else _UNWATCHED:
         if p.path != "overlap":
             stats.count("all_gather_matmul", path)
             full = x2
             if R > 1:
                 full = x.new_empty(M, K)
-                p.spec.plain(x2.contiguous(), full, group)
+                p.spec.plain(x2.contiguous(), full, call.group)
             torch.matmul(full, w, out=out)
             full = (full if R > 1 else full.clone()) if keep else x.new_empty(0)  # (R = 1: x)
         else:
@@ -556,9 +574,9 @@ def run_before(x, w, group, out, backend, chunks, keep: bool, cover: tuple = ())
                 full = x.new_empty((M, K) if keep else (0,))
             elif x2.data_ptr() != x.data_ptr():  # (a copy made x 2-D: nothing to record)
                 key = None
-            call = functools.partial(_gathered, x2, w, out, full, p, ctx, cls, cover=cover)
+            issue = functools.partial(_gathered, x2, w, out, full, p, ctx, cls, cover=cover)
             moved = (x, out, full, *cover)  # (cuBLAS kernels: not rebound)
-            updated = graphs.recorded(call, ctx, cls, capturing=cap, key=key, moved=moved,
+            updated = graphs.recorded(issue, ctx, cls, capturing=cap, key=key, moved=moved,
                                        rebound=False)  # fmt: skip
             stats.count("all_gather_matmul", "updated via " + cls.name if updated else path)
             if cls.watched and not (cap or validating):
@@ -660,3 +678,63 @@ def consume(
     finally:
         if s is not None:
             caller.wait_stream(s)  # as in `produce`
+
+
+# -- the uneven exchanges --------------------------------------------------------------------
+class Streams(NamedTuple):
+    """What an uneven exchange issues on (``run_exchange``): its transport, the caller stream,
+    the communication stream and one event per chunk (the last three None on CPU, where the
+    transport runs on the host)."""
+
+    transport: Transport
+    caller: torch.cuda.Stream | None
+    comm: torch.cuda.Stream | None
+    events: list | None
+
+    def mark(self, c: int, stream) -> None:
+        """Chunk ``c`` is done on ``stream`` (an event; nothing on CPU)."""
+        if self.events is not None:
+            self.events[c].record(stream)
+
+    def waiter(self, stream):
+        """``wait(c)``: ``stream`` waits for chunk ``c``'s mark."""
+        if stream is None:
+            return lambda c: None
+        return lambda c: stream.wait_event(self.events[c])
+
+
+def run_exchange(x, group, p: SplitPlan, cls, label: str, sizes: dict, plain, issue):
+    """A checked uneven exchange of plan ``p`` through transport class ``cls``
+    (``decide_exchange``), from ``x``'s device and caller stream, with the stages of every
+    call: on the plain path (world size 1) the count, then ``plain()``; else validation's
+    agreement (``label``: the op, as ``overlap.stats`` counts it; ``sizes``: what every rank
+    shares of it), the count, the context's transport and the communication stream forked
+    from the caller, validation's watch, ``issue(streams)`` (the op's producer, the
+    transport's exchange and the consumer, on ``Streams``), the caller's wait for the
+    communication stream, and an eager call outside validation handed to the watchdog
+    (``_issued``). Returns what ``plain`` or ``issue`` returns."""
+    if p.path != "overlap":
+        stats.count(label, how(p))
+        return plain()
+    ctx = context(group, x.device)
+    validating = guard.validating()
+    if validating:
+        _agree(group, p, x.dtype, what=label, sizes=sizes)
+    stats.count(label, how(p))  # (after the agreement: a refused call ran nothing)
+    t = ctx.transport(cls)
+    s = ctx.comm_stream
+    if s is None:  # CPU: the transport runs on the host
+        return issue(Streams(t, None, None, None))
+    caller = torch.cuda.current_stream(x.device)
+    streams = Streams(t, caller, s, t.events(p.n_chunks))
+    s.wait_stream(caller)
+    cap = capturing(x)
+    try:
+        with _watch(ctx, cls, p, x, cap) if validating else contextlib.nullcontext():
+            try:
+                return issue(streams)
+            finally:
+                caller.wait_stream(s)
+    finally:
+        if not (cap or validating):
+            _issued(t, ctx, p)

@@ -7,7 +7,9 @@ chunk-major slot layout of ``plan.band_rows`` (chunk ``c``: band ``c`` of every 
 event after each; a transport that declares ``uneven`` (``comm.select_uneven``: NCCL per
 chunk) sends each chunk once its event has passed (``Transport.run_splits``). The dispatch is
 the mirror: the exchange first, each received band multiplied once its event has passed.
-Plans: ``plan.SplitPlan`` (``engine.split_plan``).
+Each op is decided (``engine.decide_exchange``: a ``plan.SplitPlan`` and its transport) and
+run (``engine.run_exchange``: agreement, count, streams, watch and issue, as every call) by
+the engine; its file holds only its producer, transport calls and consumer (``issue``).
 """
 
 from __future__ import annotations
@@ -15,17 +17,17 @@ from __future__ import annotations
 import bisect
 import contextlib
 import math
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from .. import comm, guard, stats
+from .. import guard
 from ..collectives import collective
-from ..context import context
 from ..plan import band_rows
-from ._autograd import call, custom_op, differentiable
+from ._autograd import call, custom_op, differentiable, fake
 from ._checks import (
-    capturing,
+    Call,
     check_chunks,
     check_operands,
     check_out,
@@ -35,7 +37,7 @@ from ._checks import (
     via_op,
     world,
 )
-from .engine import how, split_plan
+from .engine import Streams, decide_exchange, run_exchange
 
 
 def split_forward(x, w, group, out, backend, chunks, sends, receives, runs, label: str):
@@ -49,23 +51,28 @@ def split_forward(x, w, group, out, backend, chunks, sends, receives, runs, labe
     M, K, N = math.prod(x.shape[:-1]), x.shape[-1], w.shape[-1]
     x2 = x.reshape(M, K)
     out = _split_out(out, (sum(receives), N), x, w)
-    call = _SplitCall(x, group, backend, chunks, sends, receives, N, K, label)
-    if call.ctx is None:
+    p, cls = decide_exchange(sends, receives, N, K, chunks, backend)
+    n = p.n_chunks
+
+    def plain() -> torch.Tensor:
         _product(x2, w, out, slice(0, M), slice(0, M), runs)
         return out
-    p, s, n = call.plan, call.stream, call.plan.n_chunks
-    with call:  # (its exit waits for the exchange, and closes the watch)
+
+    def issue(on: Streams) -> torch.Tensor:
         y, recv = x.new_empty(M, N), x.new_empty(sum(receives), N)
         for c, rows in enumerate(band_rows(sends, n)):
             for std, slot in rows:
                 _product(x2, w, y, std, slot, runs)
-            call.mark(c, call.caller)
+            on.mark(c, on.caller)
         guard.arm()
-        call.transport.run_splits(p, y, recv, call.waiter(s), lambda c: None, s)
-        with torch.cuda.stream(s) if s is not None else contextlib.nullcontext():
-            order = call.transport.order(receives, n, x.device, to_slots=False)
+        on.transport.run_splits(p, y, recv, on.waiter(on.comm), lambda c: None, on.comm)
+        with torch.cuda.stream(on.comm) if on.comm is not None else contextlib.nullcontext():
+            order = on.transport.order(receives, n, x.device, to_slots=False)
             torch.index_select(recv, 0, order, out=out)
-    return out
+        return out
+
+    # (validation agrees on the exchanged rows' width: x @ w's)
+    return run_exchange(x, group, p, cls, label, {"width": N}, plain, issue)
 
 
 def dispatch_forward(x, w, group, out, backend, chunks, sends, receives, runs, keep):
@@ -78,27 +85,32 @@ def dispatch_forward(x, w, group, out, backend, chunks, sends, receives, runs, k
     x2 = x.reshape(M, K)
     rows = sum(receives)
     out = _split_out(out, (rows, N), x, w)
-    call = _SplitCall(x, group, backend, chunks, sends, receives, N, K,
-                      "all_to_all_grouped_matmul", {"width": K})  # (it sends x)  # fmt: skip
-    if call.ctx is None:
+    p, cls = decide_exchange(sends, receives, N, K, chunks, backend)
+    n = p.n_chunks
+
+    def plain() -> tuple[torch.Tensor, torch.Tensor]:
         _product(x2, w, out, slice(0, M), slice(0, M), runs)
         return out, (x2.clone() if keep else x.new_empty(0))  # (x2 may be x: the op's input)
-    p, s, n = call.plan, call.stream, call.plan.n_chunks
-    t = call.transport
-    with call:  # (its exit waits for the exchange, and closes the watch)
+
+    def issue(on: Streams) -> tuple[torch.Tensor, torch.Tensor]:
+        t, s = on.transport, on.comm
         recv = x.new_empty(rows, K)
         send = x2.index_select(0, t.order(sends, n, x.device, to_slots=True))
         if s is not None:
-            s.wait_stream(call.caller)  # `send` is made on the caller stream
+            s.wait_stream(on.caller)  # `send` is made on the caller stream
         guard.arm()
-        t.run_splits(p, send, recv, lambda c: None, lambda c: call.mark(c, s), s)
+        t.run_splits(p, send, recv, lambda c: None, lambda c: on.mark(c, s), s)
         for c, bands in enumerate(band_rows(receives, n)):
-            call.waiter(call.caller)(c)
+            on.waiter(on.caller)(c)
             for std, slot in bands:
                 _product(recv, w, out, slot, std, runs, ids_at_dst=True)
         full = recv.index_select(0, t.order(receives, n, x.device, to_slots=False)) if keep \
             else x.new_empty(0)  # fmt: skip
-    return out, full
+        return out, full
+
+    # (validation agrees on the exchanged rows' width: the dispatch sends x)
+    return run_exchange(x, group, p, cls, "all_to_all_grouped_matmul", {"width": K}, plain,
+                        issue)  # fmt: skip
 
 
 def _split_out(out, shape, x, w) -> torch.Tensor:
@@ -106,64 +118,6 @@ def _split_out(out, shape, x, w) -> torch.Tensor:
         return x.new_empty(shape)
     check_out(out, shape, x, w)
     return out
-
-
-class _SplitCall:
-    """What an uneven all-to-all call of either direction sets up: its plan (validated when
-    validation is on: ``label``, the op, and its sizes ``agreed``, by default the exchanged
-    rows' width), and off world size 1 the context, transport, streams and events (``ctx``
-    is None at world size 1)."""
-
-    def __init__(self, x, group, backend, chunks, sends, receives, N, K, label: str,
-                 agreed: dict | None = None) -> None:  # fmt: skip
-        self.plan = split_plan(sends, receives, N, K, chunks, backend)
-        self.ctx = self.stream = self.caller = self.events = self.watch = None
-        if self.plan.path != "overlap":
-            stats.count(label, how(self.plan))
-            return
-        self.ctx = context(group, x.device)
-        validating = guard.validating()
-        if validating:
-            if agreed is None:  # the exchanged rows' width: x @ w's (the dispatch passes x's)
-                agreed = {"width": N}
-            p = self.plan
-            fp = guard.fingerprint(label, x.dtype, agreed, p.layout())
-            guard.agree(group, fp, p.describe(), p.splits)
-        stats.count(label, how(self.plan))  # (after the agreement: a refused call ran nothing)
-        self.transport = self.ctx.transport(comm.select_uneven(backend))
-        self.stream = self.ctx.comm_stream
-        if self.stream is not None:
-            self.caller = torch.cuda.current_stream(x.device)
-            self.events = self.transport.events(self.plan.n_chunks)
-            self.stream.wait_stream(self.caller)
-            self.capturing = capturing(x)
-            if validating and not self.capturing:
-                self.watch = guard.Watch(self.stream, self.transport.fail, self.plan.describe())
-
-    def mark(self, c: int, stream) -> None:
-        """Chunk ``c`` is done on ``stream`` (an event; nothing on CPU)."""
-        if self.events is not None:
-            self.events[c].record(stream)
-
-    def waiter(self, stream):
-        """``wait(c)``: ``stream`` waits for chunk ``c``'s mark."""
-        if stream is None:
-            return lambda c: None
-        return lambda c: stream.wait_event(self.events[c])
-
-    def __enter__(self) -> _SplitCall:
-        return self
-
-    def __exit__(self, kind, error, tb) -> None:
-        """The caller waits for the communication stream; validation mode's watch, told of
-        the exception the call raised (``error``), if any."""
-        if self.stream is None:
-            return
-        self.caller.wait_stream(self.stream)
-        if self.watch is not None:
-            self.watch.close(error)
-        elif self.transport.watched and not (self.capturing or guard.validating()):
-            guard.watchdog.issued(self.transport, self.caller, self.plan)
 
 
 def _product(x2, w, y, src: slice, dst: slice, runs, ids_at_dst: bool = False) -> None:
@@ -255,27 +209,37 @@ def grouped_matmul_all_to_all(
                                      backend, group, received=False)  # fmt: skip
     gname = via_op(x, w, out, group)
     if gname is not None:
-        return _grouped(x, w, expert_ids, gname, backend, chunks, list(sends), list(receives))
+        return _grouped(x, w, expert_ids, Combine(gname, backend, chunks, list(sends),
+                                                  list(receives)))  # fmt: skip
     runs = ExpertRuns(expert_ids, w.shape[0])
     return split_forward(x, w, group, out, backend, chunks, sends, receives, runs,
                          "grouped_matmul_all_to_all")  # fmt: skip
 
 
-@custom_op("overlap::grouped_matmul_all_to_all")
+class Combine(NamedTuple):
+    """A MoE combine as its custom op takes it, besides its tensors."""
+
+    group: str  # the group's name, "" for None (``name_of``)
+    backend: str
+    chunks: int | None
+    sends: list[int]
+    receives: list[int]
+
+
+@custom_op("overlap::grouped_matmul_all_to_all", Combine)
 def _grouped_op(
-    x: torch.Tensor, w: torch.Tensor, expert_ids: torch.Tensor, group: str, backend: str,
-    chunks: int | None, sends: list[int], receives: list[int],
-) -> torch.Tensor:  # fmt: skip
-    """``grouped_matmul_all_to_all`` as a custom op (``group``: its name, "" for None)."""
+    x: torch.Tensor, w: torch.Tensor, expert_ids: torch.Tensor, call: Combine
+) -> torch.Tensor:
+    """``grouped_matmul_all_to_all`` as a custom op."""
     runs = ExpertRuns(expert_ids, w.shape[0])
-    pg = group_of(group)
-    return split_forward(x, w, pg, None, backend, chunks, tuple(sends), tuple(receives), runs,
+    return split_forward(x, w, group_of(call.group), None, call.backend, call.chunks,
+                         tuple(call.sends), tuple(call.receives), runs,
                          "grouped_matmul_all_to_all")  # fmt: skip
 
 
-@_grouped_op.register_fake
-def _(x, w, expert_ids, group, backend, chunks, sends, receives):
-    return x.new_empty(sum(receives), w.shape[-1])
+@fake(_grouped_op)
+def _(x, w, expert_ids, call: Combine):
+    return x.new_empty(sum(call.receives), w.shape[-1])
 
 
 @custom_op("overlap::grouped_matmul_all_to_all_backward")
@@ -306,17 +270,18 @@ def _(g, x, w, expert_ids, group, sends, receives, need_dx, need_dw):
     return x.new_empty(x.shape if need_dx else 0), w.new_empty(w.shape if need_dw else 0)
 
 
-def _grouped_setup(ctx, inputs, output) -> None:
-    x, w, expert_ids, ctx.group, _, _, ctx.sends, ctx.receives = inputs
-    ctx.save_for_backward(x, w, expert_ids)
+def _grouped_setup(ctx, tensors, call: Combine, output) -> None:
+    ctx.call = call
+    ctx.save_for_backward(*tensors)
 
 
-def _grouped_backward(ctx, g):
+def _grouped_backward(ctx, need, g):
     x, w, expert_ids = ctx.saved_tensors
-    need_dx, need_dw = ctx.needs_input_grad[:2]
-    dx, dw = call(ctx, _grouped_backward_op, g, x, w, expert_ids, ctx.group, ctx.sends,
-                  ctx.receives, need_dx, need_dw)  # fmt: skip
-    return (dx if need_dx else None, dw if need_dw else None, *([None] * 6))
+    need_dx, need_dw, _ = need
+    c = ctx.call
+    dx, dw = call(ctx, _grouped_backward_op, g, x, w, expert_ids, c.group, c.sends, c.receives,
+                  need_dx, need_dw)  # fmt: skip
+    return dx if need_dx else None, dw if need_dw else None, None
 
 
 _grouped = differentiable(_grouped_op, _grouped_setup, _grouped_backward)
@@ -329,7 +294,7 @@ def _check_grouped(x, w, expert_ids, sends, receives, backend, group, received: 
         raise TypeError(f"w must be a torch.Tensor [E, K, N], got {type(w).__name__}")
     if w.dim() != 3 or w.shape[0] < 1:
         raise ValueError(f"w must be [E, K, N] with E >= 1, got {getattr(w, 'shape', w)}")
-    check_operands(x, w[0], "all_to_all", "sum", backend, group)
+    check_operands(x, w[0], Call("all_to_all", group, "sum", backend))
     splits = check_splits(x, "all_to_all", sends, receives, group)
     rows = sum(splits[1]) if received else math.prod(x.shape[:-1])
     what = "received row" if received else "row of x"
@@ -387,50 +352,62 @@ def all_to_all_grouped_matmul(
                                      backend, group, received=True)  # fmt: skip
     gname = via_op(x, w, out, group)
     if gname is not None:
-        return _dispatch(x, w, expert_ids, gname, backend, chunks, list(sends), list(receives),
-                         needs_grad(x, w))[0]  # fmt: skip
+        call = Dispatch(gname, backend, chunks, list(sends), list(receives), needs_grad(x, w))
+        return _dispatch(x, w, expert_ids, call)[0]
     runs = ExpertRuns(expert_ids, w.shape[0])
     return dispatch_forward(x, w, group, out, backend, chunks, sends, receives, runs, False)[0]
 
 
-@custom_op("overlap::all_to_all_grouped_matmul")
+class Dispatch(NamedTuple):
+    """A MoE dispatch as its custom op takes it, besides its tensors."""
+
+    group: str  # the group's name, "" for None (``name_of``)
+    backend: str
+    chunks: int | None
+    sends: list[int]
+    receives: list[int]
+    keep: bool  # the received x returned (the weight gradient needs it), else empty
+
+
+@custom_op("overlap::all_to_all_grouped_matmul", Dispatch)
 def _dispatch_op(
-    x: torch.Tensor, w: torch.Tensor, expert_ids: torch.Tensor, group: str, backend: str,
-    chunks: int | None, sends: list[int], receives: list[int], keep: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    x: torch.Tensor, w: torch.Tensor, expert_ids: torch.Tensor, call: Dispatch
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``all_to_all_grouped_matmul`` as a custom op: ``(result, received x)`` (the second
-    empty unless ``keep``: the weight gradient needs it)."""
+    empty unless ``call.keep``)."""
     runs = ExpertRuns(expert_ids, w.shape[0])
-    return dispatch_forward(x, w, group_of(group), None, backend, chunks, tuple(sends),
-                             tuple(receives), runs, keep)  # fmt: skip
+    return dispatch_forward(x, w, group_of(call.group), None, call.backend, call.chunks,
+                            tuple(call.sends), tuple(call.receives), runs, call.keep)  # fmt: skip
 
 
-@_dispatch_op.register_fake
-def _(x, w, expert_ids, group, backend, chunks, sends, receives, keep):
-    rows = sum(receives)
-    return x.new_empty(rows, w.shape[-1]), x.new_empty((rows, x.shape[-1]) if keep else 0)
+@fake(_dispatch_op)
+def _(x, w, expert_ids, call: Dispatch):
+    rows = sum(call.receives)
+    return x.new_empty(rows, w.shape[-1]), x.new_empty((rows, x.shape[-1]) if call.keep else 0)
 
 
-def _dispatch_setup(ctx, inputs, output) -> None:
-    x, w, expert_ids, ctx.group, _, _, ctx.sends, ctx.receives, _ = inputs
+def _dispatch_setup(ctx, tensors, call: Dispatch, output) -> None:
+    x, w, expert_ids = tensors
+    ctx.call = call
     ctx.x_shape = x.shape
     ctx.save_for_backward(output[1], w, expert_ids)
     ctx.set_materialize_grads(False)
 
 
-def _dispatch_backward(ctx, g, _g_received):
+def _dispatch_backward(ctx, need, g, _g_received):
     received, w, expert_ids = ctx.saved_tensors
-    need_dx, need_dw = ctx.needs_input_grad[:2]
+    need_dx, need_dw, _ = need
     if g is None:
-        return (None,) * 9
+        return None, None, None
+    c = ctx.call
     # the combine's backward of the received rows, exchanged the other way
-    dz, dw = call(ctx, _grouped_backward_op, g, received, w, expert_ids, ctx.group, [], [],
+    dz, dw = call(ctx, _grouped_backward_op, g, received, w, expert_ids, c.group, [], [],
                   need_dx, need_dw)  # fmt: skip
     dx = None
     if need_dx:
-        dx = call(ctx, _all_to_all_back, dz, ctx.group, ctx.sends, ctx.receives)
+        dx = call(ctx, _all_to_all_back, dz, c.group, c.sends, c.receives)
         dx = dx.reshape(ctx.x_shape)
-    return (dx, dw if need_dw else None, *([None] * 7))
+    return dx, dw if need_dw else None, None
 
 
 @custom_op("overlap::all_to_all_back")

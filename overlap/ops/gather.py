@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from ._autograd import call, custom_op, differentiable
-from ._checks import check_operands, group_of, needs_grad, via_op, world
+from ._autograd import call, custom_op, differentiable, fake
+from ._checks import Call, check_operands, group_of, needs_grad, via_op, world
 from ._columns import joined, side_by_side
 from .dense import _backward_op
 from .engine import run_before
@@ -69,56 +70,68 @@ def all_gather_matmul(
     if not isinstance(return_gathered, bool):
         raise TypeError(f"return_gathered must be a bool, got {type(return_gathered).__name__}")
     if isinstance(w, (list, tuple)):
-        sizes = _check_columns(x, w, out, backend, group, chunks)
+        call = Call("all_gather", group, "sum", backend, chunks)
+        sizes = _check_columns(x, w, out, call)
         # (under torch.compile the op joins them where it runs: ``_columns``)
         w, others = (w[0], list(w[1:])) if torch.compiler.is_compiling() else (side_by_side(w), [])
-        y, full = _gathered(x, w, others, group, return_gathered, None, backend, chunks)
+        y, full = _gathered(x, w, others, call, return_gathered, None)
         ys = list(y.split(sizes, dim=1))
         return (ys, full) if return_gathered else ys
-    check_operands(x, w, "all_gather", "sum", backend, group, chunks)
-    y, full = _gathered(x, w, [], group, return_gathered, out, backend, chunks)
+    call = Call("all_gather", group, "sum", backend, chunks)
+    check_operands(x, w, call)
+    y, full = _gathered(x, w, [], call, return_gathered, out)
     return (y, full) if return_gathered else y
 
 
-def _gathered(x, w, others, group, return_gathered, out, backend, chunks):
+def _gathered(x, w, others, call: Call, return_gathered, out):
     """``(x_full @ [w, *others] side by side, x_full or None)``, checked arguments: through
     the custom op where autograd or ``torch.compile`` needs it, else directly."""
-    gname = via_op(x, w, out, group)
+    gname = via_op(x, w, out, call.group)
     if gname is not None:
         keep = return_gathered or needs_grad(x, w, *others)  # the backward needs x_full
-        return _differentiable(x, w, gname, backend, chunks, keep, others)
-    return run_before(x, w, group, out, backend, chunks, return_gathered)
+        return _differentiable(x, w, others, Gather(gname, call.backend, call.chunks, keep))
+    return run_before(x, w, call, out, return_gathered)
 
 
-@custom_op("overlap::all_gather_matmul")
+class Gather(NamedTuple):
+    """An all-gather + matmul call as its custom op takes it, besides its tensors."""
+
+    group: str  # the group's name, "" for None (``name_of``)
+    backend: str
+    chunks: int | None
+    keep: bool  # x_full returned (else empty)
+
+
+@custom_op("overlap::all_gather_matmul", Gather)
 def _all_gather_matmul_op(
-    x: torch.Tensor, w: torch.Tensor, group: str, backend: str, chunks: int | None, keep: bool,
-    others: list[torch.Tensor],
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    x: torch.Tensor, w: torch.Tensor, others: list[torch.Tensor], call: Gather
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``all_gather_matmul`` as a custom op: ``(result, x_full)`` (``x_full`` empty unless
-    ``keep``); ``group``: the group's name, "" for None; ``others``: further weights, side by
-    side with ``w`` (``_columns``; empty outside ``torch.compile``)."""
-    return run_before(x, joined([w, *others]), group_of(group), None, backend, chunks, keep)
+    ``call.keep``); ``others``: further weights, side by side with ``w`` (``_columns``; empty
+    outside ``torch.compile``)."""
+    gather = Call("all_gather", group_of(call.group), "sum", call.backend, call.chunks)
+    return run_before(x, joined([w, *others]), gather, None, call.keep)
 
 
-@_all_gather_matmul_op.register_fake
-def _(x, w, group, backend, chunks, keep, others):
-    M = math.prod(x.shape[:-1]) * world(group_of(group))
+@fake(_all_gather_matmul_op)
+def _(x, w, others, call: Gather):
+    M = math.prod(x.shape[:-1]) * world(group_of(call.group))
     N = w.shape[1] + sum(o.shape[1] for o in others)
-    return x.new_empty(M, N), x.new_empty((M, x.shape[-1]) if keep else 0)
+    return x.new_empty(M, N), x.new_empty((M, x.shape[-1]) if call.keep else 0)
 
 
-def _gather_setup(ctx, inputs, output) -> None:
-    x, w, ctx.group = inputs[:3]
+def _gather_setup(ctx, tensors, call: Gather, output) -> None:
+    x, w, others = tensors
+    ctx.group = call.group
     ctx.shape = x.shape
-    ctx.save_for_backward(output[1], w, *inputs[6])
+    ctx.save_for_backward(output[1], w, *others)
     ctx.set_materialize_grads(False)  # an unused x_full gets no gradient (None)
 
 
-def _gather_backward(ctx, g, g_full):
+def _gather_backward(ctx, need, g, g_full):
     full, w, *others = ctx.saved_tensors
-    need_dx, need_dw = ctx.needs_input_grad[:2]
-    need_dw = need_dw or any(ctx.needs_input_grad[6] or ())  # (the op's: one bool per other)
+    need_dx, need_dw, need_others = need
+    need_dw = need_dw or any(need_others or ())  # (the op's: one bool per other)
     widths = [w.shape[1], *(o.shape[1] for o in others)]
     if g is None:
         g = full.new_zeros(full.shape[0], sum(widths))
@@ -128,14 +141,13 @@ def _gather_backward(ctx, g, g_full):
     dx, dw_t = call(ctx, _backward_op, g, full, w, "all_gather", ctx.group, "sum", need_dx,
                     need_dw, others, *extra)  # fmt: skip
     dws = [part.t() for part in dw_t.split(widths)] if need_dw else [None] * len(widths)
-    rest = None if getattr(ctx, "eager", False) else dws[1:]  # (the Function's, the op's)
-    return dx.reshape(ctx.shape) if need_dx else None, dws[0], None, None, None, None, rest
+    return dx.reshape(ctx.shape) if need_dx else None, dws[0], dws[1:]
 
 
 _differentiable = differentiable(_all_gather_matmul_op, _gather_setup, _gather_backward)
 
 
-def _check_columns(x, ws, out, backend, group, chunks) -> list[int]:
+def _check_columns(x, ws, out, call: Call) -> list[int]:
     """Raises on invalid arguments of ``all_gather_matmul`` with a list of weights ``ws``;
     returns their widths ``N_i``."""
     if not ws:
@@ -144,7 +156,7 @@ def _check_columns(x, ws, out, backend, group, chunks) -> list[int]:
         raise ValueError("out= takes one weight's result; w is a list (its results are views)")
     for i, wi in enumerate(ws):
         try:
-            check_operands(x, wi, "all_gather", "sum", backend, group, chunks)
+            check_operands(x, wi, call)
         except (TypeError, ValueError) as e:
             raise type(e)(f"w[{i}]: {e}") from None
     return [wi.shape[1] for wi in ws]
