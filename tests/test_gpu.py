@@ -600,7 +600,8 @@ def test_backward_two_gpus(monkeypatch):
 
 
 def _launch_memo(rank, R, seed):
-    """Launches that skip Triton's JIT (``matmul._launch``): every product right on fresh data,
+    """Launches that skip Triton's JIT (``matmul._launch``, a ``gemm.launch.Launcher``): every
+    product right on fresh data,
     and the kernel taken from the memo always the one Triton itself would pick."""
     from test_kernel import _standard
     from triton import knobs
@@ -664,8 +665,8 @@ def _launch_memo(rank, R, seed):
     mm._launch = real
     if not all(seen):
         failures.append(f"memo's kernel is not Triton's choice at launches {seen}")
-    if len(mm._compiled) != 5:  # 4 distinct plain specializations (two bf16 repeats), 1 fused
-        failures.append(f"{len(mm._compiled)} memo entries, expected 5")
+    if len(mm._launch.compiled) != 5:  # 4 plain specializations (two bf16 repeats), 1 fused
+        failures.append(f"{len(mm._launch.compiled)} memo entries, expected 5")
     return failures
 
 

@@ -138,17 +138,17 @@ def test_a_launch_names_every_kernel_argument():
     names each of them, and one missing or unknown raises before anything is launched."""
     from overlap.gemm import matmul as mm
 
-    names = mm._NAMES
-    assert names[mm._N_ARGS] == "RUNS" and names[-1] == "ASM_BARRIER"
+    names = mm._launch.names
+    assert names[mm._launch.n_args] == "RUNS" and names[-1] == "ASM_BARRIER"
     a = {n: i for i, n in enumerate(names)}
-    assert mm._values(a) == tuple(range(len(names)))  # the signature's order
+    assert mm._launch.values(a) == tuple(range(len(names)))  # the signature's order
     a.pop("hi")
     with pytest.raises(TypeError, match=r"missing \['hi'\], unknown \[\]"):
-        mm._values(a)
+        mm._launch.values(a)
     with pytest.raises(TypeError, match=r"missing \[\], unknown \['n_tiles'\]"):
-        mm._values({**a, "hi": 0, "n_tiles": 0})
+        mm._launch.values({**a, "hi": 0, "n_tiles": 0})
     with pytest.raises(TypeError, match=r"missing \['hi'\], unknown \['n_tiles'\]"):
-        mm._values({**a, "n_tiles": 0})
+        mm._launch.values({**a, "n_tiles": 0})
 
 
 def test_counter_short_of_its_target_raises():

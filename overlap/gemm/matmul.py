@@ -27,19 +27,17 @@ The main loop is a plain Triton tiled loop. What differs from a plain GEMM:
   (``gemm_ce_s13_persistent.json``, ``gemm_suite_s13_final_h200.json``).
 - Arguments: the kernel's signature is the one list of its parameters. A launch names each
   of them (``chunked_matmul``'s dict; what the plan alone sets is made once per plan,
-  ``_fix``), ``_values`` puts them in the signature's order and raises on a missing or
-  unknown name, and ``_tile`` and ``_load_ab`` take theirs by keyword: no copy of the list
-  can be reordered silently.
+  ``_fix``), ``gemm/launch.py``'s ``Launcher`` puts them in the signature's order and raises
+  on a missing or unknown name, and ``_tile`` and ``_load_ab`` take theirs by keyword: no
+  copy of the list can be reordered silently.
 - Host cost: after the first launch of a specialization the launcher is called directly
-  (``_launch``): 38-45 us per launch instead of 57-72 through Triton's JIT (H200 host).
+  (``_launch``, ``gemm/launch.py``): 38-45 us per launch instead of 57-72 through Triton's JIT
+  (H200 host).
 
 This file imports no ``torch.distributed``.
 """
 
 from __future__ import annotations
-
-import inspect
-import operator
 
 import torch
 import triton
@@ -50,6 +48,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..contract import Epilogue, first_band
 from ..plan import Plan
+from .launch import Launcher
 
 # How the kernel reads w (pointer loads, TMA on w.t() [N, K], TMA on w [K, N]), and what the
 # epilogue does (every tile to its slot; own tiles add the peers' partials, or are stored as
@@ -440,22 +439,9 @@ def _programs(device: torch.device) -> int:
     return _sms[i]
 
 
-def _names(kernel) -> tuple[tuple[str, ...], int]:
-    """``kernel``'s parameter names in its signature's order, and how many come before its
-    constexprs (which must come last: Triton's launcher takes them after the rest)."""
-    params = inspect.signature(kernel.fn).parameters.values()
-    const = ["constexpr" in str(p.annotation) for p in params]
-    n = const.index(True) if True in const else len(const)
-    if not all(const[n:]):
-        raise TypeError(f"{kernel.fn.__name__}: constexpr parameters must come last")
-    return tuple(p.name for p in params), n
-
-
 # The kernel's signature is the one list of its parameters: every launch names each of them
-# (`chunked_matmul`'s dict), `_values` puts them in the signature's order, and a missing or
-# unknown name raises.
-_NAMES, _N_ARGS = _names(_chunked_matmul_kernel)
-_in_order = operator.itemgetter(*_NAMES)
+# (`chunked_matmul`'s dict; ``launch.Launcher``).
+_launch = Launcher(_chunked_matmul_kernel)
 _fixed: dict[int, tuple[Plan, dict]] = {}  # id(plan) -> (plan, what it alone sets)
 
 
@@ -470,69 +456,7 @@ def _fix(plan: Plan) -> tuple[Plan, dict]:
         "chunk_cols": plan.chunk_cols, "RUNS": plan.runs, "BLOCK_M": t.block_m,
         "BLOCK_N": t.block_n, "BLOCK_K": t.block_k, "GROUP_M": plan.group_m,
     }  # fmt: skip
-    if len(_fixed) >= 1024:  # (the plans keep their ids alive: bounded like `_compiled`)
+    if len(_fixed) >= 1024:  # (the plans keep their ids alive: bounded like the launcher's)
         _fixed.clear()
     _fixed[id(plan)] = (plan, fixed)
     return _fixed[id(plan)]
-
-
-def _values(a: dict) -> tuple:
-    """The kernel's arguments ``a`` (by name) in the order of its signature."""
-    if len(a) == len(_NAMES):
-        try:
-            return _in_order(a)
-        except KeyError:
-            pass
-    missing, unknown = set(_NAMES) - a.keys(), a.keys() - set(_NAMES)
-    raise TypeError(f"the chunk GEMM's kernel: arguments missing {sorted(missing)}, "
-                    f"unknown {sorted(unknown)}")  # fmt: skip
-
-
-_compiled: dict[tuple, CompiledKernel] = {}  # _launch_key -> the kernel Triton compiled for it
-
-
-def _launch_key(values: tuple, num_warps: int, num_stages: int) -> tuple:
-    """What Triton's specialization of these arguments (``values``, in the kernel's order) can
-    depend on, and more: every integer by value (Triton specializes integers on == 1,
-    divisibility by 16 and width), tensors by dtype and 16-byte alignment, descriptors by
-    everything but their base's address (its alignment is kept), other arguments by type,
-    constexprs by value. Equal keys therefore mean the same compiled kernel; unequal keys at
-    worst go through Triton's JIT once more."""
-    key = []
-    for a in values[:_N_ARGS]:
-        t = type(a)
-        if t is int:
-            key.append(a)
-        elif t is TensorDescriptor:
-            b = a.base
-            key.append((b.dtype, b.data_ptr() % 16 == 0, *a.shape, *a.strides, *a.block_shape,
-                        a.padding))  # fmt: skip
-        elif isinstance(a, torch.Tensor):
-            key.append((a.dtype, a.data_ptr() % 16 == 0))
-        else:
-            key.append(t)
-    return (*key, *values[_N_ARGS:], num_warps, num_stages)
-
-
-def _launch(grid: int, a: dict, num_warps: int, num_stages: int):
-    """Launch the kernel on ``grid`` programs on the current stream with the arguments ``a``
-    (every parameter by name). The first launch of a specialization goes through Triton's JIT
-    (which compiles, caches and launches); later ones call the compiled kernel's launcher
-    directly, skipping the JIT's binding, cache lookup and launch-hook bookkeeping. Launch
-    hooks (profilers) and the interpreter always take Triton's path."""
-    values = _values(a)
-    hooks = knobs.runtime.launch_enter_hook.calls or knobs.runtime.launch_exit_hook.calls
-    key = None if knobs.runtime.interpret or hooks else _launch_key(values, num_warps,
-                                                                    num_stages)  # fmt: skip
-    k = _compiled.get(key) if key is not None else None
-    if k is None:
-        k = _chunked_matmul_kernel[(grid,)](**a, num_warps=num_warps, num_stages=num_stages)
-        if key is not None:
-            if len(_compiled) >= 1024:  # keys hold exact sizes: new M values keep adding some
-                _compiled.clear()
-            _compiled[key] = k
-        return k
-    d = triton.runtime.driver.active
-    stream = d.get_current_stream(d.get_current_device())
-    k.run(grid, 1, 1, stream, k.function, k.packed_metadata, None, None, None, *values)
-    return k

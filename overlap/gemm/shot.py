@@ -169,9 +169,10 @@ def host_shot_all_reduce(
     """
     n, size = part.numel(), part.element_size()
     assert n * size <= slot_bytes and out.numel() == n, (n, slot_bytes)
-    args = (part, out, regions, state, n, slot_bytes // size, rank)
-    consts = dict(WORLD=regions.numel(), BLOCK=BLOCK, FLAGS=FLAGS, ABORT=ABORT, ASM=part.is_cuda)
-    _launch(programs(n), args, consts, num_warps=4)
+    a = dict(part_ptr=part, out_ptr=out, regions=regions, state=state, n=n,
+             slot_elems=slot_bytes // size, rank=rank, WORLD=regions.numel(), BLOCK=BLOCK,
+             FLAGS=FLAGS, ABORT=ABORT, ASM=part.is_cuda)  # fmt: skip
+    _launch(programs(n), a, num_warps=4)
 
 
 _launch = Launcher(_host_shot_kernel)
