@@ -10,6 +10,8 @@ one of the group's out (``overlap.release`` closes them). A state holds:
 - ``shared``: the ``sized`` transports, one per class (the copy engines' buffers, the latency
   all-reduce's), shared by the contexts of every caller stream, and ``users``: the context
   that used each last (``Context.transport`` orders a stream after the previous one);
+- ``failed``: why the making of a ``sized`` class failed on a rank (``comm.ready``: the group
+  gives that class up, every rank alike);
 - ``contexts``: the ``Context`` of each caller stream (``overlap/context.py``);
 - ``tuned``: ``overlap.tune``'s choices, by (M, N, K, dtype, collective).
 
@@ -42,6 +44,7 @@ class GroupState:
         self.road: str | None = UNASKED
         self.comms: dict[type, object] = {}
         self.shared: dict[type, object] = {}
+        self.failed: dict[type, str] = {}
         self.users: dict[object, object] = {}
         self.contexts: dict[int, object] = {}
         self.tuned: dict[tuple, int | str] = {}

@@ -125,3 +125,63 @@ def test_kind_by_size():
     assert shot.kind(1 << 17, torch.float64, "host") is None
     assert shot.transport("host one-shot") is shot.HostShotTransport
     assert shot.transport("two-shot") is shot.ShotTransport
+
+
+def _ready_cases(rank: int, R: int, seed: int) -> list[str]:
+    """``comm.ready`` on gloo ranks, with stand-in ``sized`` classes."""
+    import torch.distributed as dist
+
+    from overlap import comm
+    from overlap.comm.transport import Transport
+    from overlap.state import state
+
+    made, closed = [], []
+
+    class Fine(Transport):
+        name, sized = "fine", True
+
+        def __init__(self, group, device):
+            made.append(type(self).__name__)
+
+        def close(self):
+            closed.append(type(self).__name__)
+
+    class FailsOnRankOne(Fine):
+        name = "fails"
+
+        def __init__(self, group, device):
+            super().__init__(group, device)
+            if dist.get_rank(group) == 1:
+                raise RuntimeError("no symmetric memory here")
+
+    dev = torch.device("cpu")
+    failures = []
+    if comm.ready(Fine, None, dev, capturing=True):
+        failures.append("made while capturing")
+    if not comm.ready(Fine, None, dev, capturing=False) or comm.shared(Fine, None, dev) is None:
+        failures.append("a class every rank makes is not ready")
+    if not comm.ready(Fine, None, dev, capturing=True):
+        failures.append("made once, a capture may use it")
+    for _ in range(2):  # the second asks nobody: given up once
+        if comm.ready(FailsOnRankOne, None, dev, capturing=False):
+            failures.append("ready although rank 1 could not make it")
+    why = state(None, dev).failed.get(FailsOnRankOne, "")
+    if "no symmetric memory here" not in why:
+        failures.append(f"every rank records rank 1's error: {why!r}")
+    if made != ["Fine", "FailsOnRankOne"]:
+        failures.append(f"made {made} (once each, never again after a failure)")
+    if rank == 0 and closed != ["FailsOnRankOne"]:
+        failures.append(f"rank 0 closed {closed}: its own making of what rank 1 failed")
+    return failures
+
+
+def test_a_transport_one_rank_cannot_make_is_given_up_by_all():
+    """The latency all-reduce's buffers are made by every rank at the first call that takes
+    it (``comm.ready``); where that raises on one rank (torch's symmetric memory or the host
+    mapping unavailable), every rank gives the class up for the group and its calls take
+    NCCL, instead of one rank raising while its peers wait for it."""
+    import random
+
+    from _dist import spawn
+
+    spawn(_ready_cases, 2, random.randrange(1 << 30))

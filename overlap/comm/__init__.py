@@ -4,7 +4,7 @@ host memory) and the latency all-reduces (``shot.py``), chosen and made in one p
 (``choice.py``). No Triton here."""
 
 from . import shot
-from .choice import BACKENDS, make, road, select, select_uneven, shared
+from .choice import BACKENDS, make, ready, road, select, select_uneven, shared
 from .host import HostTransport
 from .nccl import CupyComm, CupyTransport, NcclTransport, TorchComm, TorchTransport
 from .peer import PeerTransport, route
@@ -25,6 +25,7 @@ __all__ = [
     "Transport",
     "kept",
     "make",
+    "ready",
     "road",
     "route",
     "select",

@@ -13,6 +13,8 @@ every caller stream: a call captured in a CUDA graph uses the buffers an eager c
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.distributed as dist
 
@@ -26,6 +28,7 @@ from .transport import Transport
 BACKENDS = ("auto", "torch", "cupy", "ce")
 _NAMED: dict[str, type[Transport]] = {"torch": TorchTransport, "cupy": CupyTransport}
 _ENGINES = (PeerTransport, HostTransport)  # the copy engines, by road
+_log = logging.getLogger("overlap")
 
 
 def road(group: dist.ProcessGroup | None, device: torch.device, capturing: bool) -> str | None:
@@ -107,6 +110,38 @@ def make(cls: type[Transport], group: dist.ProcessGroup | None, device: torch.de
     if cls not in s.comms:
         s.comms[cls] = cls.comm_type(group)
     return cls(s.comms[cls], group, device)
+
+
+def ready(
+    cls: type[Transport], group: dist.ProcessGroup | None, device: torch.device, capturing: bool
+) -> bool:
+    """Whether the group's ``sized`` transport of ``cls`` can take a call on ``device``: made
+    already, or made now by every rank of the group (a collective; never while ``capturing``:
+    a capture cannot map buffers). Where its making raises on any rank (torch's symmetric
+    memory or a host mapping unavailable there), every rank gives the class up for the group
+    (``GroupState.failed``, logged once) and the call takes another path."""
+    s = state(group, device)
+    if cls in s.shared:
+        return True
+    if capturing or cls in s.failed:
+        return False
+    why, t = "", None
+    try:
+        t = cls(group, device)
+    except Exception as e:  # noqa: BLE001 (every rank learns of it below, and gives it up)
+        why = f"{type(e).__name__}: {e}"
+    whys: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(whys, why, group=group)
+    why = next((w for w in whys if w), "")
+    if why:
+        if t is not None:
+            t.close()
+        s.failed[cls] = why
+        _log.warning("overlap: the %r transport could not be made on every rank (%s): its "
+                     "calls take another path", cls.name, why)  # fmt: skip
+        return False
+    s.shared[cls] = t
+    return True
 
 
 def shared(

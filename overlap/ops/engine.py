@@ -150,9 +150,9 @@ def _decide(x, w, name, group, chunks, backend, capturing: bool):
     # the tuned choices), a tuned chunk count is not.
     if spec.replicated and backend == "auto" and chunks is None and type(choice) is not int:
         kind = shot.kind(M * N * x.element_size(), x.dtype, road)
-        if kind is not None and capturing and \
-                comm.shared(shot.transport(kind), ctx.group, x.device) is None:  # fmt: skip
-            kind = None  # (a capture cannot map its buffer: an eager call makes it)
+        if kind is not None and not comm.ready(shot.transport(kind), ctx.group, x.device,
+                                               capturing):  # fmt: skip
+            kind = None  # (not made: while capturing, or its making failed on a rank)
         if kind is not None:  # (in place of an overlapped call too: comm/shot.py's crossovers)
             why = f"{kind} all-reduce: its transfer is shorter than an overlapped call's cost"
             return Plan("fallback", why, name, M, N, K, R, transport=kind), ctx, None
@@ -224,7 +224,8 @@ def plan(
     bands, ``GatherPlan``), and ``reason``; ``plan(...).describe()`` prints it.
 
     Like the call, the first one of a group on a CUDA device asks every rank which road the
-    copy engines have (a collective): every rank of ``group`` calls it then.
+    copy engines have, and the first whose product the latency all-reduce takes makes its
+    buffers (collectives): every rank of ``group`` calls it then.
 
     Args:
         x: ``[..., K]`` (for ``"all_gather"``: this rank's shard). w: ``[K, N]`` (the MoE
@@ -505,7 +506,7 @@ def _shot(x, w, out, p: Plan, scale: float | None, ctx: Context, shape) -> torch
     stream: torch's one-shot or two-shot kernel, or the library's through host memory
     (``gemm/shot.py``); an eager call is watched (``_issued``)."""
     cap = torch.cuda.is_current_stream_capturing()
-    t = ctx.transport(shot.transport(p.transport), cap)  # (made by the first call: a collective)
+    t = ctx.transport(shot.transport(p.transport), cap)  # (made by ``_decide``: comm.ready)
     t.streams.add(ctx.caller)
     part = t.partial(shape, x.dtype)
     torch.matmul(x, w, out=part)
