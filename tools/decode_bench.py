@@ -75,10 +75,7 @@ CUDA, ``NCCL_P2P_DISABLE`` and its road) and torch, Triton, GPU, date.
 
 Also for 4 ranks (``--nproc-per-node=4``).
 
-TODO (part 3, not written): transformers' ``generate()`` with a static cache on an
-``overlap.nn.parallelize``d Llama (``tools/hf_bench.py`` builds one from a config) against
-transformers' own ``tp_plan="auto"``; that loads through ``from_pretrained(dir, tp_plan=
-"auto")``, which needs ``accelerate`` (transformers 5.24), installed on neither machine.
+Part 3, HF ``generate()`` against transformers' ``tp_plan="auto"``: ``tools/generate_bench.py``.
 """
 
 from __future__ import annotations
