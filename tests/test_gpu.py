@@ -158,7 +158,7 @@ def _shot_cases(rank, R, seed, road):
     for dt, m, k, n in cases:
         x = torch.randn(m, k, device=dev, dtype=dt, generator=gen)
         w = torch.randn(k, n, device=dev, dtype=dt, generator=gen) / k**0.5
-        want = shot.kind(m * n * x.element_size(), dt, road)
+        want = shot.kind(m * n * x.element_size(), dt, road, R)
         p = overlap.plan(x, w)
         if (want is not None or p.transport in shot.KINDS) and p.transport != want:
             failures.append(f"{(dt, m, k, n)}: plan {p.describe()}, want {want}")

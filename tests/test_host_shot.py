@@ -54,20 +54,27 @@ def Kernels(monkeypatch) -> _Kernels:
 class Ranks:
     """``world`` ranks' regions in one host buffer, and each rank's state (its counts)."""
 
-    def __init__(self, world: int, slot_bytes: int) -> None:
-        self.world, self.slot_bytes = world, slot_bytes
+    def __init__(self, world: int, slot_bytes: int, pad: int = 0) -> None:
+        self.world, self.slot_bytes, self.pad = world, slot_bytes, pad
         region = shot_region_bytes(slot_bytes)
-        self.host = torch.zeros(world * region, dtype=torch.uint8)
+        self.host = torch.zeros(pad + world * region, dtype=torch.uint8)  # (pad: no rank's)
         self.regions = torch.tensor(
-            [self.host.data_ptr() + r * region for r in range(world)], dtype=torch.int64
+            [self.host.data_ptr() + pad + r * region for r in range(world)], dtype=torch.int64
         )
         self.states = [torch.zeros(SHOT_STATE, dtype=torch.int32) for _ in range(world)]
         self.region = region
 
     def abort(self, r: int) -> None:
         """Rank ``r``'s abort word set (``HostShotTransport.abort``: a host store)."""
-        at = r * self.region + shot.ABORT
+        at = self.pad + r * self.region + shot.ABORT
         self.host[at : at + 4].view(torch.int32).fill_(1)
+
+    def count_from(self, calls: int) -> None:
+        """Every rank as if it had made ``calls`` calls (its count and its flag)."""
+        for r in range(self.world):
+            self.states[r][0] = calls
+            at = self.pad + r * self.region
+            self.host[at : at + 4].view(torch.int32).fill_(calls)
 
     def launch(self, r: int, parts: list[torch.Tensor], outs: list[torch.Tensor]):
         """Rank ``r``'s calls one after another, as its stream would run them."""
@@ -134,7 +141,7 @@ def test_sum_over_ranks(monkeypatch, world, sizes, dtype):
 
 
 def test_many_blocks_per_program(monkeypatch):
-    """More blocks than programs: each program walks several; bfloat16 summed in fp32."""
+    """More blocks than programs: each program walks several."""
     monkeypatch.setattr(shot, "PROGRAMS", 2)
     kernels = Kernels(monkeypatch)
     try:
@@ -164,5 +171,57 @@ def test_abort_ends_the_wait_on_a_dead_peer(monkeypatch):
         assert kinds[-1] == "poll" and "done" not in kinds, kinds
         ranks.abort(0)
         _run(kernels, ["r0"])
+    finally:
+        kernels.close()
+
+
+def test_counts_wrap(monkeypatch):
+    """Calls across the int32 counts' wrap (2**31): compared by their difference, the slot by
+    the count's lowest bit (a signed remainder made it -1 and stored below the region)."""
+    monkeypatch.setattr(shot, "PROGRAMS", 2)
+    kernels = Kernels(monkeypatch)
+    try:
+        sizes = [100, 3000, 100, 100, 7]
+        ranks = Ranks(2, max(sizes) * 4, pad=1 << 15)
+        ranks.count_from(2**31 - 3)
+        parts = [[torch.randn(n) for n in sizes] for _ in range(2)]
+        outs = [[torch.full((n,), float("nan")) for n in sizes] for _ in range(2)]
+        for r in range(2):
+            kernels.start(f"r{r}", ranks.launch(r, parts[r], outs[r]))
+        _run(kernels, ["r0", "r1"], ahead="r1")
+        for c in range(len(sizes)):
+            ref = parts[0][c].double() + parts[1][c].double()
+            for r in range(2):
+                torch.testing.assert_close(outs[r][c].double(), ref, atol=1e-5, rtol=1e-5)
+        assert not ranks.host[: ranks.pad].any(), "stored outside the ranks' regions"
+        assert all(int(st[0]) == 2**31 + 2 - 2**32 for st in ranks.states)  # (wrapped)
+    finally:
+        kernels.close()
+
+
+def test_an_aborted_rank_stores_and_publishes_nothing_more(monkeypatch):
+    """Rank 0 waits for a late (not dead) rank 1 until its abort; its calls queued behind that
+    one store and publish nothing, so rank 1, resuming, sums rank 0's real partial in its
+    first call and waits in its second until its own abort (its watch raises), instead of
+    summing slots rank 0's later calls overwrote and never raising."""
+    monkeypatch.setattr(shot, "PROGRAMS", 2)
+    kernels = Kernels(monkeypatch)
+    try:
+        ranks = Ranks(2, 400)
+        parts = [[torch.randn(100) for _ in range(3)] for _ in range(2)]
+        outs = [[torch.full((100,), float("nan")) for _ in range(3)] for _ in range(2)]
+        kernels.start("r0", ranks.launch(0, parts[0], outs[0]))
+        kinds = [kernels.step("r0") for _ in range(50)]
+        assert kinds[-1] == "poll", kinds
+        ranks.abort(0)
+        _run(kernels, ["r0"])
+        kernels.start("r1", ranks.launch(1, parts[1], outs[1]))
+        kinds = []
+        while len(kinds) < 200 and "done" not in kinds:
+            kinds.append(kernels.step("r1"))
+        assert "done" not in kinds and kinds[-1] == "poll", "rank 1 did not wait for rank 0"
+        torch.testing.assert_close(outs[1][0], parts[0][0] + parts[1][0], atol=1e-5, rtol=1e-5)
+        ranks.abort(1)
+        _run(kernels, ["r1"])
     finally:
         kernels.close()

@@ -13,6 +13,8 @@ until the calls queued have ended) must let them finish.
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 
@@ -109,20 +111,21 @@ def test_release_writes_touch_only_this_ranks_flags():
 
 def test_kind_by_size():
     bf16 = torch.bfloat16
-    assert shot.kind(16, bf16, "peer") == "one-shot"
-    assert shot.kind(shot.ONE_SHOT_BYTES, bf16, "peer") == "one-shot"
-    assert shot.kind(shot.ONE_SHOT_BYTES + 16, torch.float32, "peer") == "two-shot"
-    assert shot.kind(shot.SHOT_BYTES, bf16, "peer") == "two-shot"
-    assert shot.kind(shot.SHOT_BYTES + 16, bf16, "peer") is None
-    assert shot.kind(8 * 3 * 1234 * 2 // 8 + 2, bf16, "peer") is None  # not 16-byte vectors
-    assert shot.kind(16, torch.float16, "peer") is None  # (torch's kernels refuse it)
-    assert shot.kind(16, bf16, None) is None  # (several hosts, no CUDA)
+    assert shot.kind(16, bf16, "peer", 2) == "one-shot"
+    assert shot.kind(shot.ONE_SHOT_BYTES, bf16, "peer", 2) == "one-shot"
+    assert shot.kind(shot.ONE_SHOT_BYTES + 16, torch.float32, "peer", 2) == "two-shot"
+    assert shot.kind(shot.SHOT_BYTES, bf16, "peer", 2) == "two-shot"
+    assert shot.kind(shot.SHOT_BYTES + 16, bf16, "peer", 2) is None
+    assert shot.kind(8 * 3 * 1234 * 2 // 8 + 2, bf16, "peer", 2) is None  # not 16-byte vectors
+    assert shot.kind(16, torch.float16, "peer", 2) is None  # (torch's kernels refuse it)
+    assert shot.kind(16, bf16, None, 2) is None  # (several hosts, no CUDA)
     # without P2P: the library's kernel, any float type and size up to its slots
-    assert shot.kind(shot.HOST_SHOT_MIN_BYTES + 2, torch.float16, "host") == "host one-shot"
-    assert shot.kind(shot.HOST_SHOT_BYTES, bf16, "host") == "host one-shot"
-    assert shot.kind(shot.HOST_SHOT_BYTES + 2, bf16, "host") is None
-    assert shot.kind(shot.HOST_SHOT_MIN_BYTES, bf16, "host") is None  # (NCCL's below)
-    assert shot.kind(1 << 17, torch.float64, "host") is None
+    assert shot.kind(shot.HOST_SHOT_MIN_BYTES + 2, torch.float16, "host", 2) == "host one-shot"
+    assert shot.kind(shot.HOST_SHOT_BYTES, bf16, "host", 2) == "host one-shot"
+    assert shot.kind(shot.HOST_SHOT_BYTES + 2, bf16, "host", 2) is None
+    assert shot.kind(shot.HOST_SHOT_MIN_BYTES, bf16, "host", 2) is None  # (NCCL's below)
+    assert shot.kind(1 << 17, torch.float64, "host", 2) is None
+    assert shot.kind(1 << 17, bf16, "host", shot.HOST_SHOT_RANKS + 1) is None  # (not measured)
     assert shot.transport("host one-shot") is shot.HostShotTransport
     assert shot.transport("two-shot") is shot.ShotTransport
 
@@ -185,3 +188,62 @@ def test_a_transport_one_rank_cannot_make_is_given_up_by_all():
     from _dist import spawn
 
     spawn(_ready_cases, 2, random.randrange(1 << 30))
+
+
+def _map_cases(rank: int, R: int, seed: int) -> list[str]:
+    """``comm.host.map_shared`` on gloo ranks with a stand-in driver whose registration of
+    host memory fails on rank 1 in the second mapping."""
+    import types
+
+    import torch.distributed as dist
+
+    from overlap.comm import host
+    from overlap.signal import wait
+
+    calls = {"register": 0, "unregister": 0}
+
+    def register(addr, size, flags):
+        calls["register"] += 1
+        return (9 if rank == 1 and calls["register"] == 2 else 0,)
+
+    def unregister(addr):
+        calls["unregister"] += 1
+        return (0,)
+
+    drv = types.SimpleNamespace(
+        CUresult=types.SimpleNamespace(CUDA_SUCCESS=0), cuMemHostRegister=register,
+        cuMemHostUnregister=unregister, cuMemHostGetDevicePointer=lambda addr, f: (0, addr),
+    )  # fmt: skip
+    host._driver = wait._driver = lambda: drv
+    failures = []
+    mapping, address = host.map_shared(None, rank, 8192, 8192)
+    view = (ctypes.c_int32 * 2048).from_address(mapping[2])  # (the device's address: the host's)
+    if rank == 0:
+        view[5] = 1234 + seed % 1000
+    dist.barrier()
+    if view[5] != 1234 + seed % 1000:
+        failures.append("the ranks do not share the buffer")
+    del view
+    host.unmap(mapping)
+    try:
+        host.map_shared(None, rank, 8192, 8192)
+        failures.append("no error although rank 1 could not register the buffer")
+    except RuntimeError as e:
+        if "rank 1" not in str(e) or "cuMemHostRegister" not in str(e):
+            failures.append(f"the error does not name rank 1's failure: {e}")
+    want = 2 if rank == 0 else 1  # (rank 0 unregisters what it had registered)
+    if calls["unregister"] != want:
+        failures.append(f"{calls['unregister']} unregistered, expected {want}")
+    return failures
+
+
+def test_a_host_buffer_one_rank_cannot_map_raises_on_every_rank():
+    """The pinned host buffers (the copy engines' host road, the host latency all-reduce) are
+    mapped by every rank with one agreement after the local steps: where one rank cannot
+    register its mapping, every rank raises naming it (and frees its own) instead of waiting
+    in a collective that rank left."""
+    import random
+
+    from _dist import spawn
+
+    spawn(_map_cases, 2, random.randrange(1 << 30))

@@ -46,7 +46,9 @@ def map_shared(group: dist.ProcessGroup | None, rank: int, size: int, need) -> t
     pinned and registered for its GPU (a collective; ``need``: what every rank must agree on,
     ranks that disagree raise ``RankMismatchError``). Returns ``(mapping, address)``: the
     mapping (``[mmap, ctypes view, host address, size]``, for ``unmap``) and the buffer's
-    address as the GPU sees it."""
+    address as the GPU sees it. Where mapping or registering fails on any rank, every rank
+    raises ``RuntimeError`` naming it (one agreement after the local steps: no rank waits
+    in a collective the others left)."""
     path = [None]
     if rank == 0:
         st = os.statvfs("/dev/shm") if os.path.isdir("/dev/shm") else None
@@ -61,30 +63,44 @@ def map_shared(group: dist.ProcessGroup | None, rank: int, size: int, need) -> t
         if rank == 0:
             os.unlink(path[0])
         raise
-    fd = os.open(path[0], os.O_RDWR)
-    try:
-        mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-    finally:
-        os.close(fd)
-    view = ctypes.c_char.from_buffer(mm)
-    host = ctypes.addressof(view)
-    drv = _driver()
-    (err,) = drv.cuMemHostRegister(host, size, _DEVICEMAP_PORTABLE)
-    check(err, "cuMemHostRegister")
-    err, dev = drv.cuMemHostGetDevicePointer(host, 0)
-    check(err, "cuMemHostGetDevicePointer")
-    dist.barrier(group=group)  # every rank has mapped the file
+    mapping, dev, why = None, 0, ""
+    try:  # (a rank that fails here still takes part in the agreement below)
+        fd = os.open(path[0], os.O_RDWR)
+        try:
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        view = ctypes.c_char.from_buffer(mm)
+        host = ctypes.addressof(view)
+        mapping = [mm, view, host, 0]  # (size 0: not registered yet)
+        del view, mm  # (only `mapping` holds them: `unmap` must close the mmap)
+        drv = _driver()
+        (err,) = drv.cuMemHostRegister(host, size, _DEVICEMAP_PORTABLE)
+        check(err, "cuMemHostRegister")
+        mapping[3] = size
+        err, dev = drv.cuMemHostGetDevicePointer(host, 0)
+        check(err, "cuMemHostGetDevicePointer")
+    except Exception as e:  # noqa: BLE001 (every rank learns of it below)
+        why = f"rank {rank}: {type(e).__name__}: {e}"
+    whys: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(whys, why, group=group)  # every rank has mapped the file, or not
     if rank == 0:
         os.unlink(path[0])  # the mappings keep the memory
-    return [mm, view, host, size], int(dev)
+    why = next((w for w in whys if w), "")
+    if why:
+        if mapping is not None:
+            unmap(mapping)
+        raise RuntimeError(f"overlap: the shared host buffer could not be mapped ({why})")
+    return mapping, int(dev)
 
 
 def unmap(mapping: list) -> None:
     """Unregister and unmap a buffer of ``map_shared`` (no call may use it any more); empties
     ``mapping`` (the view into the mmap must be gone before it closes)."""
-    mm, view, host, _ = mapping
+    mm, view, host, registered = mapping
     mapping.clear()
-    _driver().cuMemHostUnregister(host)
+    if registered:
+        _driver().cuMemHostUnregister(host)
     del view
     mm.close()
 

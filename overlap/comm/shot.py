@@ -33,6 +33,7 @@ Needs: CUDA, torch symmetric memory, cuda-python (the road "peer", ``route``).
 from __future__ import annotations
 
 import ctypes
+import threading
 import time
 import warnings
 
@@ -65,17 +66,19 @@ DTYPES = (torch.bfloat16, torch.float32)  # (torch 2.11's kernels refuse float16
 # NCCL keeps the call.
 HOST_SHOT_MIN_BYTES = 64 << 10
 HOST_SHOT_BYTES = 1 << 20
+HOST_SHOT_RANKS = 4  # (measured at 2 and 4 ranks; each rank reads R - 1 partials over PCIe)
 HOST_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 KINDS = ("one-shot", "two-shot", "host one-shot")
 RELEASE_SECONDS = 30.0  # abort: how long it releases barriers at most
 
 
-def kind(nbytes: int, dtype: torch.dtype, road: str | None) -> str | None:
+def kind(nbytes: int, dtype: torch.dtype, road: str | None, world_size: int) -> str | None:
     """Which latency all-reduce (one of ``KINDS``, or None: none) takes a product of
-    ``nbytes`` of ``dtype`` on a group whose road is ``road`` ("peer": torch's kernels over
-    the GPUs' mapped memory; "host": the library's through the pinned host buffer)."""
+    ``nbytes`` of ``dtype`` on a group of ``world_size`` ranks whose road is ``road`` ("peer":
+    torch's kernels over the GPUs' mapped memory; "host": the library's through the pinned
+    host buffer)."""
     if road == "host":
-        fits = HOST_SHOT_MIN_BYTES < nbytes <= HOST_SHOT_BYTES
+        fits = HOST_SHOT_MIN_BYTES < nbytes <= HOST_SHOT_BYTES and world_size <= HOST_SHOT_RANKS
         return "host one-shot" if fits and dtype in HOST_DTYPES else None
     if road != "peer" or dtype not in DTYPES or nbytes > SHOT_BYTES or nbytes % 16:
         return None  # (torch's kernels: 16-byte vectors)
@@ -217,29 +220,35 @@ class HostShotTransport(_Shot):
 
     def __init__(self, group: dist.ProcessGroup | None, device: torch.device) -> None:
         super().__init__(group, device)
+        self._lock = threading.Lock()
         R = dist.get_world_size(group)
         self.slot_bytes = HOST_SHOT_BYTES
         region = -(-shot_region_bytes(self.slot_bytes) // 4096) * 4096  # (page-aligned)
         self.region = region
         self.mapping, base = map_shared(group, self.rank, region * R, ("host-shot", region))
         addresses = [base + q * region for q in range(R)]
-        self.regions = torch.tensor(addresses, dtype=torch.int64, device=device)
-        self.state = torch.zeros(SHOT_STATE, dtype=torch.int32, device=device)
+        self.regions = kept(device, lambda: torch.tensor(addresses, dtype=torch.int64,
+                                                         device=device))  # fmt: skip
+        self.state = kept(device, lambda: torch.zeros(SHOT_STATE, dtype=torch.int32,
+                                                      device=device))  # fmt: skip
         self.buf = kept(device, lambda: torch.empty(HOST_SHOT_BYTES, dtype=torch.uint8,
                                                     device=device))  # fmt: skip
 
     def abort(self) -> None:
         """Set this rank's abort word in host memory (a host store: no stream needed): every
-        wait of its kernels ends, queued calls too (their results are garbage)."""
-        if self.mapping is not None:
-            host = self.mapping[2] + self.rank * self.region + SHOT_ABORT
-            ctypes.c_int32.from_address(host).value = 1
+        wait of its kernels ends, queued calls too (their results are garbage; they store and
+        publish nothing, ``gemm/shot.py``)."""
+        with self._lock:  # (the watchdog's thread; ``close`` may run in the caller's)
+            if self.mapping:
+                host = self.mapping[2] + self.rank * self.region + SHOT_ABORT
+                ctypes.c_int32.from_address(host).value = 1
 
     def close(self) -> None:
         """Unmap the host buffer and free the device buffers."""
         super().close()
-        if self.mapping is not None:
-            unmap(self.mapping)
+        with self._lock:
+            if self.mapping:
+                unmap(self.mapping)
             self.mapping = None
         self.regions = self.state = None
 

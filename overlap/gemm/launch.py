@@ -40,7 +40,7 @@ def names(kernel) -> tuple[tuple[str, ...], int]:
 
 class Launcher:
     """``kernel``'s launches on the current stream, its compiled specializations kept
-    (``compiled``, by ``key``)."""
+    (``compiled``, by the current device and ``key``: Triton loads a kernel per device)."""
 
     def __init__(self, kernel) -> None:
         self.kernel = kernel
@@ -85,8 +85,11 @@ class Launcher:
         """Launch on ``grid`` programs with the arguments ``a`` (every parameter by name)."""
         values = self.values(a)
         hooks = knobs.runtime.launch_enter_hook.calls or knobs.runtime.launch_exit_hook.calls
-        key = None if knobs.runtime.interpret or hooks else self.key(values, num_warps,
-                                                                     num_stages)  # fmt: skip
+        key, d, device = None, None, None
+        if not (knobs.runtime.interpret or hooks):  # (a kernel is loaded per device)
+            d = triton.runtime.driver.active
+            device = d.get_current_device()
+            key = (device, *self.key(values, num_warps, num_stages))
         k = self.compiled.get(key) if key is not None else None
         if k is None:
             k = self.kernel[(grid,)](**a, num_warps=num_warps, num_stages=num_stages)
@@ -95,7 +98,6 @@ class Launcher:
                     self.compiled.clear()
                 self.compiled[key] = k
             return k
-        d = triton.runtime.driver.active
-        stream = d.get_current_stream(d.get_current_device())
+        stream = d.get_current_stream(device)
         k.run(grid, 1, 1, stream, k.function, k.packed_metadata, None, None, None, *values)
         return k

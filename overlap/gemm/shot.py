@@ -27,9 +27,12 @@ up to ``PROGRAMS``):
 One barrier per call, because the slots alternate: rank ``r`` writes slot ``e % 2`` again at
 call ``e + 2``, which its stream starts only after its call ``e + 1`` saw every peer's flag
 reach ``e + 1``; a peer sets that in its call ``e + 1``, which its stream started after its
-call ``e`` ended, the last reads of that slot. The ``G`` programs of a call wait for each
-other: they must all be resident at once (``PROGRAMS`` is small; a kernel of another stream
-holding every SM meanwhile would stall the call until it ends). Flags are int32: 2**31 calls.
+call ``e`` ended, the last reads of that slot. Counts wrap at 2**31 (compared by their
+difference, the slot by the count's lowest bit). A rank whose abort word is set stores and
+publishes nothing more: a peer that was only late then waits for it, and its own watch raises,
+instead of summing slots the aborted rank's later calls overwrote. The ``G`` programs of a
+call wait for each other: they must all be resident at once (``PROGRAMS`` is small; a kernel
+of another stream holding every SM meanwhile would stall the call until it ends).
 
 Every word tagged with its call instead (no fence, no flag: the reader polls the data) lost:
 2-5x NCCL's time on 2 H200s (8-64 KB: 24-78 us against 15-17), the levers table.
@@ -97,12 +100,15 @@ def _host_shot_kernel(
     epoch = tl.load(state) + 1
     dtype = out_ptr.dtype.element_ty
     offs = tl.arange(0, BLOCK)
-    parity = (epoch % 2).to(tl.int64) * slot_elems
+    parity = (epoch & 1).to(tl.int64) * slot_elems
     own = tl.load(regions + rank)
     mine = (own + FLAGS).to(tl.pointer_type(dtype)) + parity
-    for start in range(pid * BLOCK, n, programs * BLOCK):
+    abort = (own + ABORT).to(tl.pointer_type(tl.int32))
+    live = tl.load(abort, volatile=True) == 0  # (aborted: nothing stored, nothing published)
+    end = tl.where(live, n, 0)
+    for start in range(pid * BLOCK, end, programs * BLOCK):
         idx = start + offs
-        mask = idx < n
+        mask = idx < end
         tl.store(mine + idx, tl.load(part_ptr + idx, mask=mask), mask=mask, cache_modifier=".wt")
     tl.debug_barrier()
     _fence(epoch, ASM)
@@ -111,16 +117,16 @@ def _host_shot_kernel(
     if pid == 0:  # the only program that polls host memory
         while tl.atomic_add(state + 1, 0, sem="acquire", scope="gpu") < programs:
             pass
-        _publish(own.to(tl.pointer_type(tl.int32)), epoch, ASM)
-        abort = (own + ABORT).to(tl.pointer_type(tl.int32))
+        if live:
+            _publish(own.to(tl.pointer_type(tl.int32)), epoch, ASM)
         for q in tl.static_range(WORLD):
             if q != rank:
                 flag = tl.load(regions + q).to(tl.pointer_type(tl.int32))
-                while (_seen(flag, ASM) < epoch) & (tl.load(abort, volatile=True) == 0):
+                while (_seen(flag, ASM) - epoch < 0) & (tl.load(abort, volatile=True) == 0):
                     pass
         tl.debug_barrier()
         tl.atomic_xchg(state + 2, epoch, sem="release", scope="gpu")
-    while tl.atomic_add(state + 2, 0, sem="acquire", scope="gpu") < epoch:
+    while tl.atomic_add(state + 2, 0, sem="acquire", scope="gpu") - epoch < 0:
         pass
     tl.debug_barrier()
     for start in range(pid * BLOCK, n, programs * BLOCK):

@@ -120,8 +120,7 @@ def register(op, setup: Callable, backward: Callable) -> None:
     def grads(ctx, *g):
         need = ctx.needs_input_grad
         got = backward(ctx, need[: layout.tensors], *g)
-        return *got, *[None] * (len(need) - layout.tensors)  # (fields left at their defaults:
-        # the dispatcher drops them from the inputs)
+        return *got, *[None] * (len(need) - layout.tensors)  # (the fields: no gradients)
 
     op.register_autograd(grads, setup_context=setup_context)
 

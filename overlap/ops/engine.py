@@ -149,7 +149,7 @@ def _decide(x, w, name, group, chunks, backend, capturing: bool):
     # it elsewhere than its peers; a tuned "plain" is it (overlap.tune times "plain" through
     # the tuned choices), a tuned chunk count is not.
     if spec.replicated and backend == "auto" and chunks is None and type(choice) is not int:
-        kind = shot.kind(M * N * x.element_size(), x.dtype, road)
+        kind = shot.kind(M * N * x.element_size(), x.dtype, road, R)
         if kind is not None and not comm.ready(shot.transport(kind), ctx.group, x.device,
                                                capturing):  # fmt: skip
             kind = None  # (not made: while capturing, or its making failed on a rank)
@@ -731,7 +731,7 @@ def run_exchange(x, group, p: SplitPlan, cls, label: str, sizes: dict, plain, is
     s.wait_stream(caller)
     cap = capturing(x)
     try:
-        with _watch(ctx, cls, p, x, cap) if validating else contextlib.nullcontext():
+        with _watch(ctx, cls, p, x, cap) if validating else _UNWATCHED:
             try:
                 return issue(streams)
             finally:
