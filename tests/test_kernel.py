@@ -151,6 +151,26 @@ def test_a_launch_names_every_kernel_argument():
         mm._launch.values({**a, "n_tiles": 0})
 
 
+def test_a_compiled_kernel_is_kept_per_device_and_specialization():
+    """The launcher's key (``gemm/launch.py``): the device (Triton loads a kernel per device),
+    each integer by value, each tensor by dtype and 16-byte alignment, constexprs, warps and
+    stages; the same values on the same device give the same key."""
+    from overlap.gemm import matmul as mm
+
+    L = mm._launch
+    t = torch.empty(64)
+    base = tuple(t if n.endswith("_ptr") else 3 for n in L.names[: L.n_args]) + tuple(
+        range(len(L.names) - L.n_args))  # fmt: skip
+    k = L.key(0, base, 8, 3)
+    assert k == L.key(0, tuple(base), 8, 3)
+    assert k != L.key(1, base, 8, 3), "the device is in the key"
+    assert k != L.key(0, base, 4, 3) and k != L.key(0, base, 8, 4)
+    i = next(j for j, n in enumerate(L.names[: L.n_args]) if not n.endswith("_ptr"))
+    other = list(base)
+    other[i] = 16
+    assert k != L.key(0, tuple(other), 8, 3), "integers by value"
+
+
 def test_counter_short_of_its_target_raises():
     """On CPU a counter left short of its tile count (tiles lost) raises, never passes."""
     p = make_plan(

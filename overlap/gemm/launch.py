@@ -40,7 +40,7 @@ def names(kernel) -> tuple[tuple[str, ...], int]:
 
 class Launcher:
     """``kernel``'s launches on the current stream, its compiled specializations kept
-    (``compiled``, by the current device and ``key``: Triton loads a kernel per device)."""
+    (``compiled``, by ``key``)."""
 
     def __init__(self, kernel) -> None:
         self.kernel = kernel
@@ -59,13 +59,14 @@ class Launcher:
         raise TypeError(f"{self.kernel.fn.__name__}: arguments missing {sorted(missing)}, "
                         f"unknown {sorted(unknown)}")  # fmt: skip
 
-    def key(self, values: tuple, num_warps: int, num_stages: int) -> tuple:
-        """What Triton's specialization of ``values`` (in the kernel's order) can depend on,
-        and more: every integer by value (Triton specializes integers on == 1, divisibility by
-        16 and width), tensors by dtype and 16-byte alignment, descriptors by everything but
-        their base's address (its alignment is kept), other arguments by type, constexprs by
-        value. Equal keys therefore mean the same compiled kernel; unequal keys at worst go
-        through Triton's JIT once more."""
+    def key(self, device: int, values: tuple, num_warps: int, num_stages: int) -> tuple:
+        """What Triton's specialization of ``values`` (in the kernel's order) on ``device``
+        (Triton loads a kernel per device) can depend on, and more: every integer by value
+        (Triton specializes integers on == 1, divisibility by 16 and width), tensors by dtype
+        and 16-byte alignment, descriptors by everything but their base's address (its
+        alignment is kept), other arguments by type, constexprs by value. Equal keys
+        therefore mean the same compiled kernel; unequal keys at worst go through Triton's
+        JIT once more."""
         key = []
         for a in values[: self.n_args]:
             t = type(a)
@@ -79,7 +80,7 @@ class Launcher:
                 key.append((a.dtype, a.data_ptr() % 16 == 0))
             else:
                 key.append(t)
-        return (*key, *values[self.n_args :], num_warps, num_stages)
+        return (device, *key, *values[self.n_args :], num_warps, num_stages)
 
     def __call__(self, grid: int, a: dict, num_warps: int, num_stages: int = 3) -> CompiledKernel:
         """Launch on ``grid`` programs with the arguments ``a`` (every parameter by name)."""
@@ -89,7 +90,7 @@ class Launcher:
         if not (knobs.runtime.interpret or hooks):  # (a kernel is loaded per device)
             d = triton.runtime.driver.active
             device = d.get_current_device()
-            key = (device, *self.key(values, num_warps, num_stages))
+            key = self.key(device, values, num_warps, num_stages)
         k = self.compiled.get(key) if key is not None else None
         if k is None:
             k = self.kernel[(grid,)](**a, num_warps=num_warps, num_stages=num_stages)
