@@ -729,6 +729,94 @@ def test_host_road_one_gpu(monkeypatch):
     _on_host_road(monkeypatch, _host_road_one_gpu)
 
 
+def _host_shot_one_gpu(rank, R, seed):
+    """2 ranks on GPU 0 over gloo, no P2P: the library's latency all-reduce through the pinned
+    host buffer (``gemm/shot.py``; the two processes' kernels wait for each other across time
+    slices): every float dtype, ragged sizes, a 3-D x, ``avg``, ``out=`` (poisoned with NaN),
+    calls back to back with gloo ones between, and a CUDA graph whose replays see new data;
+    each against float64 from every rank's inputs (drawn alike on both ranks), the ranks'
+    results equal in bits."""
+    import torch.distributed as dist
+
+    import overlap
+    from overlap.comm import shot
+
+    torch.cuda.set_device(0)
+    dev = torch.device("cuda", 0)
+    failures = []
+
+    def draw(i, shape, dtype):  # every rank's tensor of shape, alike on every rank
+        g = torch.Generator(device=dev).manual_seed(seed + i)
+        return torch.randn(R, *shape, device=dev, dtype=dtype, generator=g)
+
+    def check(what, y, xs, w, op="sum"):
+        ref = sum(a.double().reshape(-1, a.shape[-1]) @ w.double() for a in xs)
+        ref = ref / R if op == "avg" else ref
+        why = mismatch(y.reshape(ref.shape), ref, TOL[y.dtype])
+        if why:
+            failures.append(f"{what}: {why}")
+        ys = [torch.empty(y.shape, dtype=y.dtype) for _ in range(R)]
+        dist.all_gather(ys, y.cpu())
+        if not all(torch.equal(ys[0], t) for t in ys):
+            failures.append(f"{what}: the ranks' results differ in bits")
+
+    def took():
+        return overlap.stats().get("matmul_allreduce", {}).get("plain via host one-shot", 0)
+
+    i = 0
+    for dt in DTYPES:
+        for m, k, n in ((16, 256, 4096), (3, 100, 12345), (64, 128, 4096), (1, 64, 1 << 19)):
+            i += 1
+            xs = draw(i, (m, k), dt)
+            w = draw(i + 1000, (k, n), dt)[0] / k**0.5
+            want = shot.kind(m * n * xs.element_size(), dt, "host", R)
+            before = took()
+            for _ in range(2):  # (the first makes the transport: a collective)
+                check(f"{(dt, m, k, n)}", overlap.matmul_allreduce(xs[rank], w), xs, w)
+            if (took() - before == 2) != (want == "host one-shot"):
+                failures.append(f"{(dt, m, k, n)}: {took() - before} of 2 calls took the host "
+                                f"one-shot, want {want}")  # fmt: skip
+    xs = draw(50, (2, 5, 512), torch.bfloat16)
+    w = draw(51, (512, 4096), torch.bfloat16)[0] / 512**0.5
+    check("3-D x", overlap.matmul_allreduce(xs[rank], w), xs, w)
+    check("avg", overlap.matmul_allreduce(xs[rank], w, op="avg"), xs, w, "avg")
+    out = torch.full((2, 5, 4096), float("nan"), device=dev, dtype=torch.bfloat16)
+    overlap.matmul_allreduce(xs[rank], w, out=out)
+    check("out=", out, xs, w)
+    # back to back, the host one-shot and gloo (too big for the slots) alternating
+    w = draw(60, (1024, 4096), torch.bfloat16)[0] / 32
+    xss = [draw(61 + j, (m, 1024), torch.bfloat16) for j, m in enumerate((16, 2048, 32, 128))]
+    ys = [overlap.matmul_allreduce(a[rank], w) for a in xss for _ in range(3)]
+    for j, y in enumerate(ys):
+        check(f"back to back #{j}", y, xss[j // 3], w)
+    # captured: the graph's replays read new data
+    x = torch.empty(16, 1024, device=dev, dtype=torch.bfloat16)
+    x.copy_(draw(70, (16, 1024), torch.bfloat16)[rank])
+    overlap.matmul_allreduce(x, w)  # (warm-up)
+    s = torch.cuda.Stream(dev)
+    s.wait_stream(torch.cuda.current_stream(dev))
+    graph = torch.cuda.CUDAGraph()
+    before = took()
+    with torch.cuda.stream(s), torch.cuda.graph(graph, stream=s):
+        y = overlap.matmul_allreduce(x, w)
+    if took() - before != 1:
+        failures.append("captured: the call did not take the host one-shot")
+    for r in range(3):
+        xs = draw(71 + r, (16, 1024), torch.bfloat16)
+        x.copy_(xs[rank])
+        y.fill_(float("nan"))
+        graph.replay()
+        check(f"replay {r}", y, xs, w)
+    overlap.release()
+    return failures
+
+
+def test_host_latency_all_reduce_one_gpu(monkeypatch):
+    """One GPU: the latency all-reduce without P2P between two processes, with the real
+    kernel (what a 1-GPU machine can check of it)."""
+    _on_host_road(monkeypatch, _host_shot_one_gpu)
+
+
 def _compile_one_gpu(rank, R, seed):
     """2 ranks on GPU 0 over gloo: ``torch.compile(fullgraph=True)`` of an all-reduce call with
     autograd, through the copy engines' host road, forward and backward against float64 (the

@@ -107,8 +107,8 @@ def release_writes(pads: list[int], words: int, rank: int) -> list[tuple[int, in
 
 class _Shot(Transport):
     """What both latency all-reduces keep: the buffer the matmul stores this rank's partial
-    product into (``partial``) and the streams that issued calls (``abort`` waits for
-    them)."""
+    product into (``partial``) and the contexts whose caller streams issued calls
+    (``callers``: ``abort`` waits for them)."""
 
     sized, watched = True, True
 
@@ -117,7 +117,7 @@ class _Shot(Transport):
         self.rank = dist.get_rank(group)
         self.buf: torch.Tensor | None = None  # (uint8, ``SHOT_BYTES`` or ``HOST_SHOT_BYTES``)
         self._views: dict[tuple, torch.Tensor] = {}
-        self.streams: set = set()
+        self.callers: set = set()  # (``overlap.context.Context``s)
 
     def partial(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """This rank's buffer as a contiguous tensor of ``shape`` (at most the buffer's
@@ -165,8 +165,8 @@ class ShotTransport(_Shot):
             return buf, symm_mem.rendezvous(buf, self.group_name)
 
         self.buf, self.handle = kept(device, make)
-        ops = torch.ops.symm_mem
-        self._one, self._two = ops.one_shot_all_reduce_out, ops.two_shot_all_reduce_
+        ops = torch.ops.symm_mem  # (the overloads: a packet resolves one at every call)
+        self._one, self._two = ops.one_shot_all_reduce_out.default, ops.two_shot_all_reduce_.default
 
     def reduce(self, part: torch.Tensor, out: torch.Tensor, two_shot: bool) -> None:
         """``out`` = the sum over the ranks of their ``part`` (``partial``), on the current
@@ -188,9 +188,9 @@ class ShotTransport(_Shot):
         pads = [int(a) for a in self.handle.signal_pad_ptrs]
         writes = release_writes(pads, self.handle.signal_pad_size // 4, self.rank)
         ends = []
-        for stream in self.streams:
+        for ctx in self.callers:
             ends.append(torch.cuda.Event())
-            ends[-1].record(stream)
+            ends[-1].record(ctx.caller)
         side = torch.cuda.Stream(self.device)
         deadline = time.monotonic() + RELEASE_SECONDS
         while True:

@@ -92,13 +92,15 @@ class Watchdog:
         self.limits: dict = {}  # transport -> its group's own timeout
         self.spare: list = []  # events of finished calls, recorded again
         self.thread: threading.Thread | None = None
-        self.lock = threading.Lock()  # (issuing threads take spare events, this one adds)
+        self.lock = threading.Lock()  # (this thread's look at the flights)
 
     def issued(self, t, stream: torch.cuda.Stream, what) -> None:
         """The call ``what`` (its plan: ``describe()`` names it) was just issued through
         transport ``t`` (``t.group``, ``t.device``) on the caller ``stream``."""
-        with self.lock:
-            event = self.spare.pop() if self.spare else torch.cuda.Event()
+        try:  # (a list's pop and append are atomic: no lock)
+            event = self.spare.pop()
+        except IndexError:
+            event = torch.cuda.Event()
         event.record(stream)
         self.track(t, event, what)
 

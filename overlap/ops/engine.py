@@ -419,7 +419,7 @@ def overlapped(
 
 def _on_device(t: torch.Tensor):
     """``t``'s device made current where it is not (the switch costs host time)."""
-    other = t.is_cuda and t.device.index != torch.cuda.current_device()
+    other = t.is_cuda and t.get_device() != torch.cuda.current_device()  # (t.device: an object)
     return torch.cuda.device(t.device) if other else contextlib.nullcontext()
 
 
@@ -440,8 +440,6 @@ def produce(
     ``trace``: ``trace.tiles`` goes to the kernel, and ``trace.stamp(i)`` is called on the
     communication stream when chunk ``i // 2`` is ready (even ``i``) and when its transfer
     has finished (odd ``i``)."""
-    from ..gemm import chunked_matmul  # Triton: imported on first use
-
     slots, epilogue = transport.begin(p, out2, caller)
     targets = p.tiles_per_chunk
 
@@ -457,8 +455,8 @@ def produce(
     tiles = trace.tiles if trace is not None else None
     parts = ("peers", "own") if cover and epilogue is not None else ("all",)
     for part in parts:
-        chunked_matmul(x2, w, slots, counters, p, scale, epilogue=epilogue, trace=tiles,
-                       part=part)  # fmt: skip
+        _gemm().chunked_matmul(x2, w, slots, counters, p, scale, epilogue=epilogue,
+                               trace=tiles, part=part)  # fmt: skip
         if cover and part != "own":
             torch.matmul(*cover[:2], out=cover[2])
     guard.arm()  # (after the kernel: its first launch compiles it)
@@ -504,27 +502,38 @@ def _shot(x, w, out, p: Plan, scale: float | None, ctx: Context, shape) -> torch
     """``x @ w`` stored into this rank's buffer of the group's latency all-reduce transport
     (``comm.shot.transport(p.transport)``), then its reduction into ``out`` on the caller
     stream: torch's one-shot or two-shot kernel, or the library's through host memory
-    (``gemm/shot.py``); an eager call is watched (``_issued``)."""
+    (``gemm/shot.py``); an eager call is watched (``_issued``). Decode's eager steps are
+    host-bound: each step here was timed on an H200 host (``bench_results/
+    host_time_shot_ab_h200.json``: no import statement, no view, no stream hashed, the
+    result made like the partial)."""
     cap = torch.cuda.is_current_stream_capturing()
     t = ctx.transport(shot.transport(p.transport), cap)  # (made by ``_decide``: comm.ready)
-    t.streams.add(ctx.caller)
+    t.callers.add(ctx)  # (a context hashes by identity: a stream's hash is Python code)
     part = t.partial(shape, x.dtype)
     torch.matmul(x, w, out=part)
     if scale is not None:
         part.mul_(scale)
     if out is None:
-        out = torch.empty(shape, dtype=x.dtype, device=x.device)
+        out = torch.empty_like(part)  # (2.0 us of host time; torch.empty with arguments 3.8)
     with _on_device(x):
-        if p.transport == "host one-shot":
-            from ..gemm.shot import host_shot_all_reduce  # Triton: imported on first use
-
-            host_shot_all_reduce(part.view(-1), out.view(-1), t.regions, t.state,
-                                 t.slot_bytes, t.rank)  # fmt: skip
+        if p.transport == "host one-shot":  # (contiguous: the kernel reads them flat)
+            _gemm().shot.host_shot_all_reduce(part, out, t.regions, t.state, t.slot_bytes,
+                                              t.rank)  # fmt: skip
         else:
             t.reduce(part, out, p.transport == "two-shot")
     if not (cap or guard.validating()):  # (validation mode watches the call itself)
         _issued(t, ctx, p)
     return out
+
+
+@functools.cache
+def _gemm():
+    """``overlap.gemm`` with its ``shot`` module (Triton), imported at the first call that
+    launches a kernel: an import statement in a function costs ~2.5 us at every call."""
+    from .. import gemm
+    from ..gemm import shot as _  # noqa: F401 (``gemm.shot``)
+
+    return gemm
 
 
 # -- before the matmul -----------------------------------------------------------------------
