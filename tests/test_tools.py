@@ -59,6 +59,7 @@ GPU_ONLY = [  # (command, a part of the launch hint it must print)
     (["tools/soak.py"], "tools/soak.py --one-gpu"),
     (["tools/soak.py", "--one-gpu"], "tools/soak.py --one-gpu"),
     (["tools/host_profile.py"], "tools/host_profile.py --one-gpu"),
+    (["tools/host_profile.py", "--latency"], "--nproc-per-node=1 tools/host_profile.py --latency"),
     (["tools/model_bench.py", "--one-gpu"], "--cpu"),
     (["tools/exchange_bench.py", "--one-gpu"], "--cpu"),
     (["bash", "tools/gpu_run.sh", "suite"], "gpu_run.sh"),

@@ -22,6 +22,15 @@ repeat their arguments, so copy-engine calls replay their recorded graphs
 (``graphs.record.MAX_RECORDS = 1``) and alternates two outputs, so every call is issued in
 full.
 
+``--latency``: the latency all-reduce's eager call (``ops/engine.py``'s ``_shot``) on one
+GPU, as one torchrun worker (``--nproc-per-node=1``; ``NCCL_P2P_DISABLE=1``: the host road's
+kernel): the engine is told its 1-rank group has 2 ranks, so the call takes that path while
+its kernels see one rank. Per call, in the same rounds (the GPU asleep under them): ``x @ w``,
+torch's ``x @ w`` + ``dist.all_reduce``, torch's one-shot called directly (the matmul into a
+symmetric buffer, a kept output), ``matmul_allreduce`` and ``RowParallelLinear``; then the
+library's call under cProfile. ``--shape`` is ``MxNxK`` (default ``16x4096x2048``: 8B's
+o_proj at TP 2, 16 tokens).
+
 ``--one-gpu``: both ranks on GPU 0 over gloo (a machine with one GPU; the overlapped call
 only). The copy-engine transport then maps the other process's buffer on the same GPU, and
 the two processes' kernels share the GPU by time slices: GPU times mean nothing there, the
@@ -39,6 +48,7 @@ import os
 import pathlib
 import pstats
 import statistics
+import sys
 import time
 
 BURST = 10  # calls back to back in a burst
@@ -59,6 +69,89 @@ def _node_kinds(graph) -> dict[str, int]:
     return kinds
 
 
+def latency(args) -> None:
+    """``--latency`` (module docstring): a table of host us per call, JSON next to it."""
+    import json
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed import _symmetric_memory as symm_mem
+
+    import overlap
+    import overlap.ops.engine
+
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    dist.init_process_group("nccl", device_id=dev)
+    if dist.get_world_size() != 1:
+        raise SystemExit("--latency runs as one torchrun worker (--nproc-per-node=1)")
+    overlap.ops.engine.world = lambda group: 2  # (the latency path; its kernels see 1 rank)
+    M, N, K = (int(v) for v in args.shape.split("x"))
+    weight = torch.randn(N, K, device=dev, dtype=torch.bfloat16) / K**0.5
+    w, x = weight.t(), torch.randn(M, K, device=dev, dtype=torch.bfloat16)
+    layer = overlap.nn.RowParallelLinear(K, N, bias=False, device=dev, dtype=torch.bfloat16)
+    layer.weight = torch.nn.Parameter(weight, requires_grad=False)
+    layer.world_size = 2
+    name = dist.group.WORLD.group_name
+    buf = symm_mem.empty(M * N, dtype=torch.bfloat16, device=dev)
+    symm_mem.rendezvous(buf, name)
+    kept = torch.empty(M, N, dtype=torch.bfloat16, device=dev)
+
+    def nccl():
+        y = x @ w
+        dist.all_reduce(y)
+        return y
+
+    def one_shot():
+        torch.matmul(x, w, out=buf.view(M, N))
+        torch.ops.symm_mem.one_shot_all_reduce_out(buf.view(M, N), "sum", name, kept)
+        return kept
+
+    runs = {"x @ w": lambda: x @ w, "torch: x @ w, dist.all_reduce": nccl,
+            "torch: one-shot called directly": one_shot,
+            "overlap.matmul_allreduce": lambda: overlap.matmul_allreduce(x, w),
+            "overlap.nn.RowParallelLinear": lambda: layer(x)}  # fmt: skip
+    want = x.double() @ w.double()
+    with torch.no_grad():
+        for what, run in runs.items():
+            for _ in range(3):
+                y = run()
+            err = ((y.double() - want).norm() / want.norm()).item()
+            if not err < 2e-2:
+                raise SystemExit(f"{what}: relative error {err:.3g} against float64")
+        host = {what: [] for what in runs}
+        for _ in range(args.calls):
+            for what, run in runs.items():
+                torch.cuda._sleep(20_000_000)  # ~10 ms: the GPU never holds the host back
+                t0 = time.perf_counter()
+                for _ in range(BURST):
+                    run()
+                host[what].append((time.perf_counter() - t0) * 1e6 / BURST)
+                torch.cuda.synchronize()
+        prof = cProfile.Profile()
+        for _ in range(args.calls):
+            torch.cuda._sleep(20_000_000)
+            prof.enable()
+            for _ in range(BURST):
+                overlap.matmul_allreduce(x, w)
+            prof.disable()
+            torch.cuda.synchronize()
+    how = overlap.stats()["matmul_allreduce"]
+    med = {what: statistics.median(v) for what, v in host.items()}
+    lines = [f"{args.shape} bf16, the library's path {sorted(how)}, {torch.__version__}",
+             f"host us per call (median of rounds of bursts of {BURST}):",
+             *(f"  {what:<34} {us:7.1f}" for what, us in med.items())]  # fmt: skip
+    table = io.StringIO()
+    pstats.Stats(prof, stream=table).sort_stats("tottime").print_stats(25)
+    text = "\n".join(lines) + "\n(the profile includes the profiler's own overhead)\n"
+    print(text + table.getvalue())
+    pathlib.Path(args.out).write_text(text + table.getvalue())
+    with open(pathlib.Path(args.out).with_suffix(".json"), "w") as f:
+        json.dump({"shape": args.shape, "path": sorted(how), "host_us": med}, f, indent=1)
+    overlap.release()
+    dist.destroy_process_group()
+
+
 def main() -> None:
     import torch
     import torch.distributed as dist
@@ -74,6 +167,7 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=50)
     ap.add_argument("--out", default="bench_out/host_profile.txt", help="default: %(default)s")
     ap.add_argument("--one-gpu", action="store_true")
+    ap.add_argument("--latency", action="store_true", help="the latency all-reduce, one GPU")
     ap.add_argument(
         "--distinct",
         action="store_true",
@@ -82,8 +176,13 @@ def main() -> None:
     args = ap.parse_args()
     tool = "tools/host_profile.py"
     need_gpus(tool, f"torchrun --nproc-per-node=2 {tool} (2 GPUs), or on one GPU: "
-              f"NCCL_P2P_DISABLE=1 torchrun --nproc-per-node=2 {tool} --one-gpu")  # fmt: skip
+              f"NCCL_P2P_DISABLE=1 torchrun --nproc-per-node=2 {tool} --one-gpu, or "
+              f"torchrun --nproc-per-node=1 {tool} --latency")  # fmt: skip
     pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    if args.latency:
+        if "--shape" not in sys.argv:
+            args.shape = "16x4096x2048"
+        return latency(args)
     local = 0 if args.one_gpu else int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local)
     dev = torch.device("cuda", local)
