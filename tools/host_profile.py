@@ -147,7 +147,9 @@ def latency(args) -> None:
     print(text + table.getvalue())
     pathlib.Path(args.out).write_text(text + table.getvalue())
     with open(pathlib.Path(args.out).with_suffix(".json"), "w") as f:
-        json.dump({"shape": args.shape, "path": sorted(how), "host_us": med}, f, indent=1)
+        json.dump({"shape": args.shape, "path": sorted(how), "host_us": med,
+                   "device": torch.cuda.get_device_name(dev), "torch": torch.__version__,
+                   "date": time.strftime("%Y-%m-%d")}, f, indent=1)  # fmt: skip
     overlap.release()
     dist.destroy_process_group()
 
