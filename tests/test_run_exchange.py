@@ -57,7 +57,8 @@ def _install(monkeypatch, validating: bool) -> tuple[list, SimpleNamespace]:
 
 
 def _run(x, splits, log, fail: bool = False):
-    p, cls = engine.decide_exchange(splits, splits, 4, 3, 2, "auto")
+    call = engine.Call("all_to_all", None, "sum", "auto", 2)
+    p, cls = engine.decide_exchange((splits, splits), 4, 3, call)
 
     def issue(streams: engine.Streams) -> str:
         assert streams.caller.name == "caller" and streams.comm.name == "comm"
@@ -66,7 +67,7 @@ def _run(x, splits, log, fail: bool = False):
             raise RuntimeError("a collective failed")
         return "issued"
 
-    return engine.run_exchange(x, None, p, cls, "op", {"width": 4}, lambda: "plain", issue)
+    return engine.run_exchange(x, call, p, cls, "op", {"width": 4}, lambda: "plain", issue)
 
 
 def _expected(validating: bool, last: str) -> list[str]:

@@ -170,13 +170,14 @@ def test_uneven_exchange_events(direction, ahead, slow, monkeypatch):
         return [(torch.randn(rows, K, generator=g), torch.randn(K, N, generator=g),
                  torch.full((sum(receives[r]), N), float("nan"))) for r in range(R)]  # fmt: skip
 
+    call = engine.Call("all_to_all", None, "sum", "auto", chunks)
+
     def issue(r, x, w, out):
         if direction == "combine":
             return exchange.split_forward(
-                x, w, None, out, "auto", chunks, sends[r], receives[r], None, "matmul_all_to_all"
+                x, w, call, (sends[r], receives[r]), out, None, "matmul_all_to_all"
             )
-        return exchange.dispatch_forward(x, w, None, out, "auto", chunks, sends[r], receives[r],
-                                         None, False)[0]  # fmt: skip
+        return exchange.dispatch_forward(x, w, call, (sends[r], receives[r]), out, None, False)[0]
 
     try:
         calls = _exchange(sim, R, ahead, slow, monkeypatch, issue, make)

@@ -15,7 +15,7 @@ from .. import guard
 from ..context import check_group
 from ..plan import DEFAULT_SPLIT_CHUNKS
 from ._autograd import custom_op, fake, register
-from ._checks import DTYPES, check_backend, check_chunks, group_of, name_of, world
+from ._checks import DTYPES, Call, check_backend, check_chunks, group_of, name_of, world
 from .engine import Streams, decide_exchange, run_exchange
 
 _BAG_MODES = ("sum", "mean", "max")
@@ -160,7 +160,8 @@ def _bags_forward(tables, indices, offsets, group, mode, rank_dims, backend, chu
     # per chunk, elements (rows of width 1) received from and sent to every rank
     layout = [([(hi - lo) * d for d in rank_dims], [(hi - lo) * D] * R) for lo, hi in bands]
     sends, receives = tuple(b * D for _ in range(R)), tuple(b * d for d in rank_dims)
-    p, cls = decide_exchange(sends, receives, 1, 0, chunks, backend)  # (n chunks)
+    call = Call("all_to_all", group, "sum", backend, chunks)
+    p, cls = decide_exchange((sends, receives), 1, 0, call)  # (n chunks)
     starts = [sum(rank_dims[:s_]) for s_ in range(R)]
 
     def issue(on: Streams) -> torch.Tensor:
@@ -186,7 +187,7 @@ def _bags_forward(tables, indices, offsets, group, mode, rank_dims, backend, chu
         return out
 
     agreed = {"bags": B, "mode": mode}  # (validation; with the splits B implies rank_dims)
-    return run_exchange(t0, group, p, cls, "embedding_bag_all_to_all", agreed,
+    return run_exchange(t0, call, p, cls, "embedding_bag_all_to_all", agreed,
                         lambda: pool(0, B), issue)  # fmt: skip
 
 

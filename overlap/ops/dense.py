@@ -92,13 +92,14 @@ def matmul_collective(
         TimeoutError: (validation mode) a rank did not arrive, or the call's collectives did
             not finish, within ``overlap.configure``'s timeout.
     """
-    return _call(x, w, collective, group, op, out, backend, chunks, input_split_sizes,
-                 output_split_sizes, "matmul_collective")  # fmt: skip
+    return _call(x, w, collective, group, op, backend, chunks, "matmul_collective", out,
+                 input_split_sizes, output_split_sizes)  # fmt: skip
 
 
-def _call(x, w, collective, group, op, out, backend, chunks, sends, receives, label: str):
+def _call(x, w, collective, group, op, backend, chunks, label: str, out, sends, receives):
     """``matmul_collective`` for the public op named ``label`` (what ``overlap.stats``
-    counts the call as)."""
+    counts the call as): a ``Call``'s values in its order (``engine.plain_again``'s), then
+    ``out`` and an uneven all-to-all's splits."""
     sig = None
     if out is None and sends is None and receives is None:
         y, sig = plain_again(x, w, collective, group, op, backend, chunks, label)
@@ -118,7 +119,7 @@ def _call(x, w, collective, group, op, out, backend, chunks, sends, receives, la
         described = Dense(collective, gname, op, backend, chunks, label, *extra)
         return _differentiable(x, w, [], described)
     if split:
-        return exchange.split_forward(x, w, group, out, backend, chunks, *splits, None, label)
+        return exchange.split_forward(x, w, call, splits, out, None, label)
     return run_after(x, w, call, label, out, sig)
 
 
@@ -138,7 +139,7 @@ def matmul_allreduce(
     ``collective="reduce_scatter"`` makes it a reduce-scatter (``[M / R, N]``); the other
     arguments are those of ``matmul_collective``, as for the two below.
     """
-    return _call(x, w, collective, group, op, out, backend, chunks, None, None, "matmul_allreduce")
+    return _call(x, w, collective, group, op, backend, chunks, "matmul_allreduce", out, None, None)
 
 
 def matmul_reduce_scatter(
@@ -154,7 +155,7 @@ def matmul_reduce_scatter(
     """``reduce_scatter_tensor`` of ``x @ w`` overlapped: ``x [..., K]``, ``w [K, N]`` ->
     ``[M / R, N]``, rank r holding rows ``[r * M / R, (r + 1) * M / R)`` of the sum."""
     return _call(
-        x, w, "reduce_scatter", group, op, out, backend, chunks, None, None, "matmul_reduce_scatter"
+        x, w, "reduce_scatter", group, op, backend, chunks, "matmul_reduce_scatter", out, None, None
     )
 
 
@@ -175,8 +176,8 @@ def matmul_all_to_all(
     ``output_split_sizes`` (as ``all_to_all_single``'s: the rows of ``x``, ordered by
     destination, sent to each rank, and the rows received from each), the blocks are uneven
     and the result is ``[sum(output_split_sizes), N]`` (MoE dispatch and combine)."""
-    return _call(x, w, "all_to_all", group, "sum", out, backend, chunks, input_split_sizes,
-                 output_split_sizes, "matmul_all_to_all")  # fmt: skip
+    return _call(x, w, "all_to_all", group, "sum", backend, chunks, "matmul_all_to_all", out,
+                 input_split_sizes, output_split_sizes)  # fmt: skip
 
 
 def matmul_allreduce_stacked(
@@ -219,12 +220,11 @@ def _matmul_collective_op(
     (``[K_i, N]``), stacked below it here (``matmul_allreduce_stacked``; empty otherwise)."""
     pg = group_of(call.group)
     w = stacked([w, *others]) if others else w
+    full = Call(call.collective, pg, call.op, call.backend, call.chunks)
     if call.sends is not None:
         splits = check_splits(x, call.collective, call.sends, call.receives, pg)
-        return exchange.split_forward(x, w, pg, None, call.backend, call.chunks, *splits, None,
-                                      call.label)  # fmt: skip
-    return run_after(x, w, Call(call.collective, pg, call.op, call.backend, call.chunks),
-                     call.label)  # fmt: skip
+        return exchange.split_forward(x, w, full, splits, None, None, call.label)
+    return run_after(x, w, full, call.label)
 
 
 @fake(_matmul_collective_op)

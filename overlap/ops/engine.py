@@ -119,7 +119,7 @@ def decide(x, w, call: Call, capturing: bool, sig: tuple | None) -> Known:
     known = calls.get(sig) if sig is not None else None
     if known is not None:
         return known
-    p, ctx, cls = _decide(x, w, call.collective, call.group, call.chunks, call.backend, capturing)
+    p, ctx, cls = _decide(x, w, call, capturing)
     R = p.world_size
     shape = (p.M, w.shape[1]) if p.spec.before else p.spec.result_shape(tuple(x.shape), p.N, R)
     known = Known(p, ctx, cls, shape, how(p), _scale(call.op, R))
@@ -130,8 +130,9 @@ def decide(x, w, call: Call, capturing: bool, sig: tuple | None) -> Known:
     return known
 
 
-def _decide(x, w, name, group, chunks, backend, capturing: bool):
+def _decide(x, w, call: Call, capturing: bool):
     """``(plan, context, transport class)`` of a checked call (``Known``)."""
+    name, group, _, backend, chunks = call
     R, bits, spec = world(group), x.element_size() * 8, collective(name)
     M, K, N = math.prod(x.shape[:-1]) * (R if spec.before else 1), x.shape[-1], w.shape[1]
     if spec.before:  # the all-gather's plan never depends on N: the ranks' N may differ
@@ -245,17 +246,17 @@ def plan(
         sig = None if cap else graphs.signature(x, w, *call)
         return decide(x, w, call, cap, sig).plan
     sends, receives = check_splits(x, collective, input_split_sizes, output_split_sizes, group)
-    return decide_exchange(sends, receives, w.shape[-1], x.shape[-1], chunks, backend)[0]
+    return decide_exchange((sends, receives), w.shape[-1], x.shape[-1], call)[0]
 
 
 def decide_exchange(
-    sends: tuple[int, ...], receives: tuple[int, ...], N: int, K: int, chunks, backend: str
+    splits: tuple[tuple[int, ...], tuple[int, ...]], N: int, K: int, call: Call
 ) -> tuple[SplitPlan, type[Transport]]:
-    """What an uneven exchange runs (``run_exchange``): ``(plan, transport class)`` for
-    ``sends[j]`` rows of ``[M, K] @ [K, N]`` to rank ``j``, ``receives[s]`` from rank ``s``,
-    through ``comm.select_uneven(backend)``."""
-    cls = comm.select_uneven(backend)
-    return make_split_plan(sends, receives, N, K, chunks=chunks, transport=cls.name), cls
+    """What an uneven exchange ``call`` runs (``run_exchange``): ``(plan, transport class)``
+    for ``splits = (sends, receives)``, ``sends[j]`` rows of ``[M, K] @ [K, N]`` to rank
+    ``j``, ``receives[s]`` from rank ``s``, through ``comm.select_uneven(call.backend)``."""
+    cls = comm.select_uneven(call.backend)
+    return make_split_plan(*splits, N, K, chunks=call.chunks, transport=cls.name), cls
 
 
 def _agree(group, p: Plan | GatherPlan | SplitPlan, dtype, op: str = "sum", what: str = "",
@@ -713,8 +714,8 @@ class Streams(NamedTuple):
         return lambda c: stream.wait_event(self.events[c])
 
 
-def run_exchange(x, group, p: SplitPlan, cls, label: str, sizes: dict, plain, issue):
-    """A checked uneven exchange of plan ``p`` through transport class ``cls``
+def run_exchange(x, call: Call, p: SplitPlan, cls, label: str, sizes: dict, plain, issue):
+    """A checked uneven exchange ``call`` of plan ``p`` through transport class ``cls``
     (``decide_exchange``), from ``x``'s device and caller stream, with the stages of every
     call: on the plain path (world size 1) the count, then ``plain()``; else validation's
     agreement (``label``: the op, as ``overlap.stats`` counts it; ``sizes``: what every rank
@@ -726,10 +727,10 @@ def run_exchange(x, group, p: SplitPlan, cls, label: str, sizes: dict, plain, is
     if p.path != "overlap":
         stats.count(label, how(p))
         return plain()
-    ctx = context(group, x.device)
+    ctx = context(call.group, x.device)
     validating = guard.validating()
     if validating:
-        _agree(group, p, x.dtype, what=label, sizes=sizes)
+        _agree(call.group, p, x.dtype, what=label, sizes=sizes)
     stats.count(label, how(p))  # (after the agreement: a refused call ran nothing)
     t = ctx.transport(cls)
     s = ctx.comm_stream

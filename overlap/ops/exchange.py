@@ -40,8 +40,9 @@ from ._checks import (
 from .engine import Streams, decide_exchange, run_exchange
 
 
-def split_forward(x, w, group, out, backend, chunks, sends, receives, runs, label: str):
-    """``matmul_collective`` all-to-all with uneven splits (checked): cuBLAS computes the
+def split_forward(x, w, call: Call, splits: tuple, out, runs, label: str):
+    """``matmul_collective`` all-to-all ``call`` with uneven ``splits``, ``(sends, receives)``
+    (checked): cuBLAS computes the
     product chunk by chunk into the slot layout of ``plan.band_rows`` (chunk ``c``: band ``c``
     of every destination's block), an event after each; NCCL per chunk sends each chunk
     once its event has passed (``NcclTransport.run_splits``); one gather puts the received
@@ -50,8 +51,9 @@ def split_forward(x, w, group, out, backend, chunks, sends, receives, runs, labe
     called (``overlap.stats``)."""
     M, K, N = math.prod(x.shape[:-1]), x.shape[-1], w.shape[-1]
     x2 = x.reshape(M, K)
+    sends, receives = splits
     out = _split_out(out, (sum(receives), N), x, w)
-    p, cls = decide_exchange(sends, receives, N, K, chunks, backend)
+    p, cls = decide_exchange(splits, N, K, call)
     n = p.n_chunks
 
     def plain() -> torch.Tensor:
@@ -72,20 +74,22 @@ def split_forward(x, w, group, out, backend, chunks, sends, receives, runs, labe
         return out
 
     # (validation agrees on the exchanged rows' width: x @ w's)
-    return run_exchange(x, group, p, cls, label, {"width": N}, plain, issue)
+    return run_exchange(x, call, p, cls, label, {"width": N}, plain, issue)
 
 
-def dispatch_forward(x, w, group, out, backend, chunks, sends, receives, runs, keep):
-    """``all_to_all_grouped_matmul`` (checked): ``x`` put into the slot layout of the sends,
+def dispatch_forward(x, w, call: Call, splits: tuple, out, runs, keep: bool):
+    """``all_to_all_grouped_matmul`` ``call`` with ``splits = (sends, receives)`` (checked):
+    ``x`` put into the slot layout of the sends,
     NCCL per chunk exchanges band ``c`` of every block, an event after each; the caller
     stream waits for each chunk and multiplies its received rows (``runs``: ids of the
     received rows) straight into ``out``. Returns ``(out, received x [sum(receives), K])``,
     the second empty unless ``keep``."""
     M, K, N = math.prod(x.shape[:-1]), x.shape[-1], w.shape[-1]
     x2 = x.reshape(M, K)
+    sends, receives = splits
     rows = sum(receives)
     out = _split_out(out, (rows, N), x, w)
-    p, cls = decide_exchange(sends, receives, N, K, chunks, backend)
+    p, cls = decide_exchange(splits, N, K, call)
     n = p.n_chunks
 
     def plain() -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,8 +113,13 @@ def dispatch_forward(x, w, group, out, backend, chunks, sends, receives, runs, k
         return out, full
 
     # (validation agrees on the exchanged rows' width: the dispatch sends x)
-    return run_exchange(x, group, p, cls, "all_to_all_grouped_matmul", {"width": K}, plain,
+    return run_exchange(x, call, p, cls, "all_to_all_grouped_matmul", {"width": K}, plain,
                         issue)  # fmt: skip
+
+
+def _exchange(group, backend: str, chunks: int | None) -> Call:
+    """The ``Call`` of a MoE exchange (an all-to-all; its splits travel beside it)."""
+    return Call("all_to_all", group, "sum", backend, chunks)
 
 
 def _split_out(out, shape, x, w) -> torch.Tensor:
@@ -212,7 +221,7 @@ def grouped_matmul_all_to_all(
         return _grouped(x, w, expert_ids, Combine(gname, backend, chunks, list(sends),
                                                   list(receives)))  # fmt: skip
     runs = ExpertRuns(expert_ids, w.shape[0])
-    return split_forward(x, w, group, out, backend, chunks, sends, receives, runs,
+    return split_forward(x, w, _exchange(group, backend, chunks), (sends, receives), out, runs,
                          "grouped_matmul_all_to_all")  # fmt: skip
 
 
@@ -232,8 +241,8 @@ def _grouped_op(
 ) -> torch.Tensor:
     """``grouped_matmul_all_to_all`` as a custom op."""
     runs = ExpertRuns(expert_ids, w.shape[0])
-    return split_forward(x, w, group_of(call.group), None, call.backend, call.chunks,
-                         tuple(call.sends), tuple(call.receives), runs,
+    return split_forward(x, w, _exchange(group_of(call.group), call.backend, call.chunks),
+                         (tuple(call.sends), tuple(call.receives)), None, runs,
                          "grouped_matmul_all_to_all")  # fmt: skip
 
 
@@ -355,7 +364,8 @@ def all_to_all_grouped_matmul(
         call = Dispatch(gname, backend, chunks, list(sends), list(receives), needs_grad(x, w))
         return _dispatch(x, w, expert_ids, call)[0]
     runs = ExpertRuns(expert_ids, w.shape[0])
-    return dispatch_forward(x, w, group, out, backend, chunks, sends, receives, runs, False)[0]
+    call = _exchange(group, backend, chunks)
+    return dispatch_forward(x, w, call, (sends, receives), out, runs, False)[0]
 
 
 class Dispatch(NamedTuple):
@@ -376,8 +386,9 @@ def _dispatch_op(
     """``all_to_all_grouped_matmul`` as a custom op: ``(result, received x)`` (the second
     empty unless ``call.keep``)."""
     runs = ExpertRuns(expert_ids, w.shape[0])
-    return dispatch_forward(x, w, group_of(call.group), None, call.backend, call.chunks,
-                            tuple(call.sends), tuple(call.receives), runs, call.keep)  # fmt: skip
+    return dispatch_forward(x, w, _exchange(group_of(call.group), call.backend, call.chunks),
+                            (tuple(call.sends), tuple(call.receives)), None, runs,
+                            call.keep)  # fmt: skip
 
 
 @fake(_dispatch_op)
