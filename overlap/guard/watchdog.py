@@ -102,7 +102,11 @@ class Watchdog:
         except IndexError:
             event = torch.cuda.Event()
         event.record(stream)
-        self.track(t, event, what)
+        q = self.flights.get(t)
+        if q is None:  # (``track``'s first call for ``t``; its body here: a call less per call)
+            self.track(t, event, what)
+        else:
+            q.append((event, time.monotonic(), what, threading.get_ident()))
 
     def track(self, t, event, what) -> None:
         """Watch ``event`` (``query()`` tells whether the call is done) for ``t``."""

@@ -516,15 +516,23 @@ def _shot(x, w, out, p: Plan, scale: float | None, ctx: Context, shape) -> torch
         part.mul_(scale)
     if out is None:
         out = torch.empty_like(part)  # (2.0 us of host time; torch.empty with arguments 3.8)
-    with _on_device(x):
-        if p.transport == "host one-shot":  # (contiguous: the kernel reads them flat)
-            _gemm().shot.host_shot_all_reduce(part, out, t.regions, t.state, t.slot_bytes,
-                                              t.rank)  # fmt: skip
-        else:
-            t.reduce(part, out, p.transport == "two-shot")
+    if x.get_device() == torch.cuda.current_device():  # (no context manager: host time)
+        _reduce(t, p.transport, part, out)
+    else:
+        with torch.cuda.device(x.device):
+            _reduce(t, p.transport, part, out)
     if not (cap or guard.validating()):  # (validation mode watches the call itself)
         _issued(t, ctx, p)
     return out
+
+
+def _reduce(t: Transport, kind: str, part: torch.Tensor, out: torch.Tensor) -> None:
+    """``out`` = the sum over the ranks of their ``part`` through ``t``, the latency
+    all-reduce ``kind`` (contiguous tensors: the host one-shot reads them flat)."""
+    if kind == "host one-shot":
+        _gemm().shot.host_shot_all_reduce(part, out, t.regions, t.state, t.slot_bytes, t.rank)
+    else:
+        t.reduce(part, out, kind == "two-shot")
 
 
 @functools.cache
