@@ -776,19 +776,27 @@ def _host_shot_one_gpu(rank, R, seed):
             if (took() - before == 2) != (want == "host one-shot"):
                 failures.append(f"{(dt, m, k, n)}: {took() - before} of 2 calls took the host "
                                 f"one-shot, want {want}")  # fmt: skip
+
+    def one(what, xs, w, **kw):  # one call that must take the host one-shot, checked
+        before = took()
+        y = overlap.matmul_allreduce(xs[rank], w, **kw)
+        check(what, kw["out"] if "out" in kw else y, xs, w, kw.get("op", "sum"))
+        if took() - before != 1:
+            failures.append(f"{what}: the call did not take the host one-shot")
+
     xs = draw(50, (2, 5, 512), torch.bfloat16)
     w = draw(51, (512, 4096), torch.bfloat16)[0] / 512**0.5
-    check("3-D x", overlap.matmul_allreduce(xs[rank], w), xs, w)
-    check("avg", overlap.matmul_allreduce(xs[rank], w, op="avg"), xs, w, "avg")
-    out = torch.full((2, 5, 4096), float("nan"), device=dev, dtype=torch.bfloat16)
-    overlap.matmul_allreduce(xs[rank], w, out=out)
-    check("out=", out, xs, w)
-    # back to back, the host one-shot and gloo (too big for the slots) alternating
+    one("3-D x", xs, w)
+    one("avg", xs, w, op="avg")
+    one("out=", xs, w, out=torch.full((2, 5, 4096), float("nan"), device=dev,
+                                       dtype=torch.bfloat16))  # fmt: skip
+    # back to back, fresh data at every call: the host one-shot and gloo (too big for the
+    # slots) alternating
     w = draw(60, (1024, 4096), torch.bfloat16)[0] / 32
-    xss = [draw(61 + j, (m, 1024), torch.bfloat16) for j, m in enumerate((16, 2048, 32, 128))]
-    ys = [overlap.matmul_allreduce(a[rank], w) for a in xss for _ in range(3)]
+    xss = [draw(61 + j, (m, 1024), torch.bfloat16) for j, m in enumerate((16, 2048, 32, 128) * 3)]
+    ys = [overlap.matmul_allreduce(a[rank], w) for a in xss]
     for j, y in enumerate(ys):
-        check(f"back to back #{j}", y, xss[j // 3], w)
+        check(f"back to back #{j}", y, xss[j], w)
     # captured: the graph's replays read new data
     x = torch.empty(16, 1024, device=dev, dtype=torch.bfloat16)
     x.copy_(draw(70, (16, 1024), torch.bfloat16)[rank])
@@ -807,7 +815,14 @@ def _host_shot_one_gpu(rank, R, seed):
         y.fill_(float("nan"))
         graph.replay()
         check(f"replay {r}", y, xs, w)
+    from overlap.comm.shot import HostShotTransport
+    from overlap.state import states
+
+    made = [t for s in states() for t in s.shared.values()
+            if isinstance(t, HostShotTransport)]  # fmt: skip
     overlap.release()
+    if len(made) != 1 or any(t.mapping is not None or t.nbytes for t in made):
+        failures.append(f"overlap.release kept the host one-shot's memory ({len(made)} made)")
     return failures
 
 

@@ -104,7 +104,7 @@ def test_finished_calls_are_left_alone(timeout):
     dog.track(t, older, _Plan())
     older.done.set()
     dog.check(time.monotonic() + 10)  # finished: recycled, whatever its age
-    assert dog.spare == [older] and not t.aborts
+    assert dog.flights[t].spare == [older] and not t.aborts
     dog.track(t, newer, _Plan())
     dog.check(time.monotonic())  # in flight, but young
     assert not t.aborts and not t.broken
@@ -145,10 +145,34 @@ def test_an_issued_call_takes_a_spare_event_and_queries_none(monkeypatch):
                                name="overlap-watchdog")  # fmt: skip
     checker.start()
     checker.join()  # recycles the finished first call's event
-    assert dog.spare == [first]
+    assert dog.flights[t].spare == [first]
     dog.issued(t, None, _Plan())
     assert len(made) == 1 and [e for e, *_ in dog.flights[t]] == [made[0], first]
-    assert not dog.spare and not first.done.is_set()
+    assert not dog.flights[t].spare and not first.done.is_set()
+
+
+def test_a_transports_spare_events_are_its_own(monkeypatch):
+    """A finished call's event is recorded again only for calls of the same transport: a CUDA
+    event belongs to the device it was first recorded on, and two transports of one process
+    may be on two devices."""
+    made: list = []
+
+    class _Recorded(_Call):
+        def record(self, stream) -> None:
+            self.done.clear()
+            self.stream = stream
+
+    monkeypatch.setattr(torch.cuda, "Event", lambda: made.append(_Recorded()) or made[-1])
+    dog = guard.Watchdog()
+    dog.thread = threading.current_thread()  # (no thread started)
+    a, b = _Stuck(_Call()), _Stuck(_Call())
+    dog.issued(a, "stream of device 0", _Plan())
+    made[0].done.set()
+    dog.check(time.monotonic())  # a's event recycled
+    dog.issued(b, "stream of device 1", _Plan())
+    assert len(made) == 2 and made[0].stream == "stream of device 0", "b took a's event"
+    dog.issued(a, "stream of device 0", _Plan())
+    assert len(made) == 2, "a's own spare event was not reused"
 
 
 def test_the_timeout_is_the_process_groups_unless_configured():

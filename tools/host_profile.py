@@ -48,7 +48,6 @@ import os
 import pathlib
 import pstats
 import statistics
-import sys
 import time
 
 BURST = 10  # calls back to back in a burst
@@ -79,13 +78,16 @@ def latency(args) -> None:
 
     import overlap
     import overlap.ops.engine
+    from overlap.comm import shot
 
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)
     dist.init_process_group("nccl", device_id=dev)
     if dist.get_world_size() != 1:
         raise SystemExit("--latency runs as one torchrun worker (--nproc-per-node=1)")
-    overlap.ops.engine.world = lambda group: 2  # (the latency path; its kernels see 1 rank)
+    # the latency path taken (its kernels see 1 rank, so the check below covers this rank's
+    # own steps, not the reduction: tests/test_gpu.py checks that); this process only
+    overlap.ops.engine.world = lambda group: 2
     M, N, K = (int(v) for v in args.shape.split("x"))
     weight = torch.randn(N, K, device=dev, dtype=torch.bfloat16) / K**0.5
     w, x = weight.t(), torch.randn(M, K, device=dev, dtype=torch.bfloat16)
@@ -104,7 +106,7 @@ def latency(args) -> None:
 
     def one_shot():
         torch.matmul(x, w, out=buf.view(M, N))
-        torch.ops.symm_mem.one_shot_all_reduce_out(buf.view(M, N), "sum", name, kept)
+        torch.ops.symm_mem.one_shot_all_reduce_out.default(buf.view(M, N), "sum", name, kept)
         return kept
 
     runs = {"x @ w": lambda: x @ w, "torch: x @ w, dist.all_reduce": nccl,
@@ -137,6 +139,9 @@ def latency(args) -> None:
             prof.disable()
             torch.cuda.synchronize()
     how = overlap.stats()["matmul_allreduce"]
+    if not {h.removeprefix("plain via ") for h in how} <= set(shot.KINDS):
+        raise SystemExit(f"--shape {args.shape}: the library's calls took {sorted(how)}, not "
+                         "the latency all-reduce (its sizes: overlap/comm/shot.py)")  # fmt: skip
     med = {what: statistics.median(v) for what, v in host.items()}
     lines = [f"{args.shape} bf16, the library's path {sorted(how)}, {torch.__version__}",
              f"host us per call (median of rounds of bursts of {BURST}):",
@@ -163,11 +168,11 @@ def main() -> None:
     from overlap.collectives import collective
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shape", default="4096x8192x4096")
+    ap.add_argument("--shape", help="MxNxK (default 4096x8192x4096; --latency: 16x4096x2048)")
     ap.add_argument("--collective", default="reduce_scatter")
     ap.add_argument("--backend", default="torch")
     ap.add_argument("--calls", type=int, default=50)
-    ap.add_argument("--out", default="bench_out/host_profile.txt", help="default: %(default)s")
+    ap.add_argument("--out", help="bench_out/host_profile.txt, --latency: host_latency.txt")
     ap.add_argument("--one-gpu", action="store_true")
     ap.add_argument("--latency", action="store_true", help="the latency all-reduce, one GPU")
     ap.add_argument(
@@ -180,10 +185,13 @@ def main() -> None:
     need_gpus(tool, f"torchrun --nproc-per-node=2 {tool} (2 GPUs), or on one GPU: "
               f"NCCL_P2P_DISABLE=1 torchrun --nproc-per-node=2 {tool} --one-gpu, or "
               f"torchrun --nproc-per-node=1 {tool} --latency")  # fmt: skip
+    if args.latency:
+        args.shape = args.shape or "16x4096x2048"
+        args.out = args.out or "bench_out/host_latency.txt"
+    args.shape = args.shape or "4096x8192x4096"
+    args.out = args.out or "bench_out/host_profile.txt"
     pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     if args.latency:
-        if "--shape" not in sys.argv:
-            args.shape = "16x4096x2048"
         return latency(args)
     local = 0 if args.one_gpu else int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local)

@@ -188,7 +188,7 @@ class ShotTransport(_Shot):
         pads = [int(a) for a in self.handle.signal_pad_ptrs]
         writes = release_writes(pads, self.handle.signal_pad_size // 4, self.rank)
         ends = []
-        for ctx in self.callers:
+        for ctx in tuple(self.callers):  # (a caller's thread may add one meanwhile)
             ends.append(torch.cuda.Event())
             ends[-1].record(ctx.caller)
         side = torch.cuda.Stream(self.device)

@@ -56,6 +56,16 @@ def _raise_in(thread: int, message: str) -> bool:
 RECYCLE = 0.05  # seconds between the watchdog's looks while calls are in flight
 
 
+class Flights(collections.deque):
+    """A transport's calls in flight, oldest first: ``(event, issued at, what, thread)``; and
+    ``spare``, the events of its finished calls, recorded again for its next ones (a CUDA event
+    belongs to the device it was first recorded on: a transport's are on its device)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.spare: list = []
+
+
 class Watchdog:
     """Validation off: the calls in flight through the transports whose waits no one else
     watches (``Transport.watched``: the copy engines' two roads, CuPy's NCCL communicator;
@@ -88,37 +98,42 @@ class Watchdog:
     """
 
     def __init__(self) -> None:
-        self.flights: dict = {}  # transport -> deque of (event, issued at, what, thread)
+        self.flights: dict[object, Flights] = {}  # transport -> its calls in flight
         self.limits: dict = {}  # transport -> its group's own timeout
-        self.spare: list = []  # events of finished calls, recorded again
         self.thread: threading.Thread | None = None
-        self.lock = threading.Lock()  # (this thread's look at the flights)
+        self.lock = threading.Lock()  # (``check`` from two threads: the watchdog's, a test's)
 
     def issued(self, t, stream: torch.cuda.Stream, what) -> None:
         """The call ``what`` (its plan: ``describe()`` names it) was just issued through
         transport ``t`` (``t.group``, ``t.device``) on the caller ``stream``."""
+        q = self.flights.get(t)
+        if q is None:
+            q = self._watch(t)
         try:  # (a list's pop and append are atomic: no lock)
-            event = self.spare.pop()
+            event = q.spare.pop()
         except IndexError:
             event = torch.cuda.Event()
         event.record(stream)
-        q = self.flights.get(t)
-        if q is None:  # (``track``'s first call for ``t``; its body here: a call less per call)
-            self.track(t, event, what)
-        else:
-            q.append((event, time.monotonic(), what, threading.get_ident()))
+        q.append((event, time.monotonic(), what, threading.get_ident()))
 
     def track(self, t, event, what) -> None:
         """Watch ``event`` (``query()`` tells whether the call is done) for ``t``."""
         q = self.flights.get(t)
         if q is None:
+            q = self._watch(t)
+        q.append((event, time.monotonic(), what, threading.get_ident()))
+
+    def _watch(self, t) -> Flights:
+        """``t``'s flights, made (its group's timeout read, the thread started)."""
+        q = self.flights.get(t)
+        if q is None:
             self.limits[t] = group_timeout(t.group, t.device)
-            q = self.flights[t] = collections.deque()
+            q = self.flights[t] = Flights()
             if self.thread is None:
                 self.thread = threading.Thread(target=self._run, name="overlap-watchdog",
                                                daemon=True)  # fmt: skip
                 self.thread.start()
-        q.append((event, time.monotonic(), what, threading.get_ident()))
+        return q
 
     def forget(self, t) -> None:
         """Stop watching ``t`` (released: no call of it is in flight)."""
@@ -147,7 +162,7 @@ class Watchdog:
         for t, q in list(self.flights.items()):
             with self.lock:
                 while q and q[0][0].query():
-                    self.spare.append(q.popleft()[0])
+                    q.spare.append(q.popleft()[0])
                 oldest = q[0] if q else None
             if oldest is not None and now - oldest[1] > self.limit(t):
                 self._fire(t, oldest, now - oldest[1])
