@@ -175,6 +175,39 @@ def test_a_transports_spare_events_are_its_own(monkeypatch):
     assert len(made) == 2, "a's own spare event was not reused"
 
 
+def test_two_threads_issuing_a_transports_first_calls_are_both_watched(monkeypatch):
+    """Two threads issuing a transport's first calls at once (a backward runs in autograd's
+    thread) each get their call watched, by one watchdog thread: the flights are made once."""
+    from overlap.guard import watchdog
+
+    class _Recorded(_Call):
+        def record(self, stream) -> None:
+            pass
+
+    def slow_timeout(group, device):  # (the window between looking and making, widened)
+        time.sleep(0.05)
+        return 600.0
+
+    monkeypatch.setattr(torch.cuda, "Event", _Recorded)
+    monkeypatch.setattr(watchdog, "group_timeout", slow_timeout)
+    dog, t, started = guard.Watchdog(), _Stuck(_Call()), []
+    dog._run = lambda: started.append(threading.current_thread())  # (starts, then ends)
+    both = threading.Barrier(2)
+
+    def issue():
+        both.wait()
+        dog.issued(t, None, _Plan())
+
+    issuers = [threading.Thread(target=issue) for _ in range(2)]
+    for th in issuers:
+        th.start()
+    for th in issuers:
+        th.join()
+    time.sleep(0.05)
+    assert len(dog.flights[t]) == 2, "a call watched by nobody"
+    assert len(started) == 1, f"{len(started)} watchdog threads"
+
+
 def test_the_timeout_is_the_process_groups_unless_configured():
     """Unset, a call may take its process group's own timeout (as torch's watchdog gives its
     collectives); ``configure(timeout=)`` replaces it."""

@@ -121,6 +121,10 @@ def latency(args) -> None:
             err = ((y.double() - want).norm() / want.norm()).item()
             if not err < 2e-2:
                 raise SystemExit(f"{what}: relative error {err:.3g} against float64")
+        how = overlap.stats()["matmul_allreduce"]
+        if not {h.removeprefix("plain via ") for h in how} <= set(shot.KINDS):
+            raise SystemExit(f"--shape {args.shape}: the library's calls took {sorted(how)}, "
+                             "not the latency all-reduce (overlap/comm/shot.py)")  # fmt: skip
         host = {what: [] for what in runs}
         for _ in range(args.calls):
             for what, run in runs.items():
@@ -138,10 +142,6 @@ def latency(args) -> None:
                 overlap.matmul_allreduce(x, w)
             prof.disable()
             torch.cuda.synchronize()
-    how = overlap.stats()["matmul_allreduce"]
-    if not {h.removeprefix("plain via ") for h in how} <= set(shot.KINDS):
-        raise SystemExit(f"--shape {args.shape}: the library's calls took {sorted(how)}, not "
-                         "the latency all-reduce (its sizes: overlap/comm/shot.py)")  # fmt: skip
     med = {what: statistics.median(v) for what, v in host.items()}
     lines = [f"{args.shape} bf16, the library's path {sorted(how)}, {torch.__version__}",
              f"host us per call (median of rounds of bursts of {BURST}):",

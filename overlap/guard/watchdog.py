@@ -90,18 +90,19 @@ class Watchdog:
     group's own timeout (``group_timeout``, as torch's watchdog). The clock starts when the
     call is issued, as torch's does: a stream queued more than the timeout ahead of its GPU is
     taken for a dead peer. Host cost per call: one event recorded, taken from the events of
-    finished calls, which this thread recycles every ``RECYCLE`` seconds while calls are in
-    flight (a new event per call, as in a burst before any was recycled, cost ~15 us of host
-    time each on 2 H200s). The issuing thread never queries an event: while another thread
-    captures a CUDA graph (torch's default "global" mode) that query would fail and invalidate
-    the capture; this thread queries in relaxed mode (``_relaxed``).
+    the same transport's finished calls (``Flights.spare``), which this thread recycles every
+    ``RECYCLE`` seconds while calls are in flight (a new event per call, as in a burst before
+    any was recycled, cost ~15 us of host time each on 2 H200s). The issuing thread never
+    queries an event: while another thread captures a CUDA graph (torch's default "global"
+    mode) that query would fail and invalidate the capture; this thread queries in relaxed
+    mode (``_relaxed``).
     """
 
     def __init__(self) -> None:
         self.flights: dict[object, Flights] = {}  # transport -> its calls in flight
         self.limits: dict = {}  # transport -> its group's own timeout
         self.thread: threading.Thread | None = None
-        self.lock = threading.Lock()  # (``check`` from two threads: the watchdog's, a test's)
+        self.lock = threading.Lock()  # (flights made, looked at and dropped)
 
     def issued(self, t, stream: torch.cuda.Stream, what) -> None:
         """The call ``what`` (its plan: ``describe()`` names it) was just issued through
@@ -124,21 +125,25 @@ class Watchdog:
         q.append((event, time.monotonic(), what, threading.get_ident()))
 
     def _watch(self, t) -> Flights:
-        """``t``'s flights, made (its group's timeout read, the thread started)."""
-        q = self.flights.get(t)
-        if q is None:
-            self.limits[t] = group_timeout(t.group, t.device)
-            q = self.flights[t] = Flights()
-            if self.thread is None:
-                self.thread = threading.Thread(target=self._run, name="overlap-watchdog",
-                                               daemon=True)  # fmt: skip
-                self.thread.start()
-        return q
+        """``t``'s flights, made (its group's timeout read, the thread started) under the lock:
+        two threads issuing ``t``'s first calls at once (a backward runs in autograd's thread)
+        must not each make flights, one of them then watched by nobody, or two threads."""
+        with self.lock:
+            q = self.flights.get(t)
+            if q is None:
+                self.limits[t] = group_timeout(t.group, t.device)
+                q = self.flights[t] = Flights()
+                if self.thread is None:
+                    self.thread = threading.Thread(target=self._run, name="overlap-watchdog",
+                                                   daemon=True)  # fmt: skip
+                    self.thread.start()
+            return q
 
     def forget(self, t) -> None:
         """Stop watching ``t`` (released: no call of it is in flight)."""
-        self.flights.pop(t, None)
-        self.limits.pop(t, None)
+        with self.lock:
+            self.flights.pop(t, None)
+            self.limits.pop(t, None)
 
     def limit(self, t) -> float:
         """Seconds a call through ``t`` may take from its issue."""
@@ -169,11 +174,12 @@ class Watchdog:
 
     def _fire(self, t, entry: tuple, waited: float) -> None:
         _, _, what, thread = entry
+        limit = self.limit(t)  # (before ``forget`` drops the group's own)
         self.forget(t)
         name = what.describe() if hasattr(what, "describe") else str(what)
         why = (
             f"a call ({name}) had not finished {waited:.0f} s after it was issued (timeout "
-            f"{self.limit(t):g} s): a peer rank died or stopped. Its waits on the peers were "
+            f"{limit:g} s): a peer rank died or stopped. Its waits on the peers were "
             "released, so the results of the calls then in flight are not valid. End the job "
             "and restart it, or call overlap.release(group) on every live rank and go on "
             "with a new process group"
