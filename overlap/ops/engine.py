@@ -108,9 +108,9 @@ class Known(NamedTuple):
 # calls kept in ``context.calls`` before it is emptied (a model's call sites are a few hundred)
 MAX_CALLS = 4096
 
-# a call outside validation mode, watched by nothing (one instance for every call: a
-# nullcontext made per call costs a Python call)
-_UNWATCHED = contextlib.nullcontext()
+# a context that does nothing (a call outside validation mode, on its own device): one
+# instance for every call (a nullcontext made per call costs a Python call)
+_NOTHING = contextlib.nullcontext()
 
 
 def decide(x, w, call: Call, capturing: bool, sig: tuple | None) -> Known:
@@ -280,7 +280,7 @@ def _watch(ctx: Context, cls, p: Plan | GatherPlan, x: torch.Tensor, capturing: 
     """Validation mode's watch of the call issued inside it (``guard.Watch``; none while
     capturing: a capturing stream cannot be queried)."""
     if capturing or not x.is_cuda:
-        return contextlib.nullcontext()
+        return _NOTHING
     if p.path != "overlap":  # the plain path: the caller stream, the group's own collectives
         s = torch.cuda.current_stream(x.device)  # (or the latency all-reduce's)
         cls = shot.transport(p.transport) if p.transport in shot.KINDS else TorchTransport
@@ -322,7 +322,7 @@ def run_after(x, w, call: Call, label: str, out=None, sig=None, cover: tuple = (
         _agree(call.group, p, x.dtype, call.op)
     if cls is None:  # the plain path (or world size 1)
         stats.count(label, path)
-        with _watch(ctx, cls, p, x, cap) if validating else _UNWATCHED:
+        with _watch(ctx, cls, p, x, cap) if validating else _NOTHING:
             return plain(x, w, out, p, scale, call.group, shape, ctx)
     if out is None:
         out = torch.empty(shape, dtype=x.dtype, device=x.device)
@@ -336,7 +336,7 @@ def run_after(x, w, call: Call, label: str, out=None, sig=None, cover: tuple = (
             return out
     x2 = x if x.dim() == 2 else x.reshape(M, p.K)
     out2 = out if out.dim() == 2 else out.view(M, N)  # (-1: ambiguous when N = 0)
-    with _watch(ctx, cls, p, x, cap) if validating else _UNWATCHED:
+    with _watch(ctx, cls, p, x, cap) if validating else _NOTHING:
         issue = functools.partial(overlapped, x2, w, out2, p, scale, ctx, cls, cover=cover)
         if x2.data_ptr() != x.data_ptr():  # (a copy made x 2-D: nothing to record)
             key = None
@@ -421,7 +421,7 @@ def overlapped(
 def _on_device(t: torch.Tensor):
     """``t``'s device made current where it is not (the switch costs host time)."""
     other = t.is_cuda and t.get_device() != torch.cuda.current_device()  # (t.device: an object)
-    return torch.cuda.device(t.device) if other else contextlib.nullcontext()
+    return torch.cuda.device(t.device) if other else _NOTHING
 
 
 def produce(
@@ -579,7 +579,7 @@ def run_before(x, w, call: Call, out, keep: bool, cover: tuple = ()):
     validating = ctx is not None and guard.validating()
     if validating:
         _agree(call.group, p, x.dtype)
-    with _watch(ctx, cls, p, x, cap) if validating else _UNWATCHED:
+    with _watch(ctx, cls, p, x, cap) if validating else _NOTHING:
         if p.path != "overlap":
             stats.count("all_gather_matmul", path)
             full = x2
@@ -749,7 +749,7 @@ def run_exchange(x, call: Call, p: SplitPlan, cls, label: str, sizes: dict, plai
     s.wait_stream(caller)
     cap = capturing(x)
     try:
-        with _watch(ctx, cls, p, x, cap) if validating else _UNWATCHED:
+        with _watch(ctx, cls, p, x, cap) if validating else _NOTHING:
             try:
                 return issue(streams)
             finally:
