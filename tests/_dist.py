@@ -55,14 +55,34 @@ def _entry(rank, world_size, init_file, backend, fn, args, errors_dir):
     os._exit(0)
 
 
+# The gloo ranks start from a fork server that imported these once (a fresh interpreter
+# importing torch costs ~2 s on 2 cores, most of a small test's time); the server is made with
+# the environment of the moment, so a call in a different one (a test that set a variable)
+# spawns fresh interpreters instead, as do the NCCL ranks (CUDA is never initialized in a fork).
+PRELOAD = ["torch", "torch.distributed", "triton", "numpy"]
+_server_env: dict | None = None
+
+
+def _start_method(backend: str) -> str:
+    global _server_env
+    if backend != "gloo":
+        return "spawn"
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}  # (per test)
+    if _server_env is None:
+        mp.set_forkserver_preload(PRELOAD)
+        _server_env = env
+    return "forkserver" if env == _server_env else "spawn"
+
+
 def spawn(fn, world_size: int, *args, backend: str = "gloo") -> None:
     """Run ``fn(rank, world_size, *args) -> list[str]`` on ``world_size`` ranks; raise
     AssertionError with every rank's failures."""
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(
+        mp.start_processes(
             _entry,
             args=(world_size, os.path.join(d, "init"), backend, fn, args, d),
             nprocs=world_size,
+            start_method=_start_method(backend),
         )
         reports = sorted(f for f in os.listdir(d) if f.startswith("rank"))
         text = "\n".join(open(os.path.join(d, f)).read() for f in reports)

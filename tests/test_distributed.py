@@ -28,16 +28,20 @@ SHAPES_2 = [(96, 64, 64), (130, 45, 70), (16, 33, 130), (2, 50, 40, 100), (258, 
 
 
 def _cases_2ranks(rank, R, seed, dtype):
-    """Every collective at every shape of ``SHAPES_2`` in ``dtype``; for float32 also avg, a
-    contiguous ``w``, the default chunk count and the plain path."""
+    """Every collective at every shape of ``SHAPES_2`` in ``dtype``."""
     counts = count_collectives()
     failures = []
     for i, (coll, shape) in enumerate((c, s) for c in COLLECTIVES for s in SHAPES_2):
         msg = check_case(rank, R, "cpu", coll, dtype, shape, seed + i, chunks=3, count_calls=counts)
         failures += [msg] if msg else []
-    if dtype != torch.float32:
-        return failures
-    # avg, contiguous (non-transposed) w, default chunk count, and calls reusing the counters
+    return failures
+
+
+def _cases_2ranks_more(rank, R, seed):
+    """avg, a contiguous ``w``, the default chunk count, calls reusing the counters, and the
+    plain path (too small to split, or bfloat16: wrong in the interpreter), same answer."""
+    counts = count_collectives()
+    failures = []
     for j, coll in enumerate(("all_reduce", "reduce_scatter")):
         for k in range(2):
             msg = check_case(
@@ -53,7 +57,6 @@ def _cases_2ranks(rank, R, seed, dtype):
                 count_calls=counts,
             )
             failures += [msg] if msg else []
-    # too small to split, or bfloat16 (wrong in the interpreter): the plain path, same answer
     for coll in COLLECTIVES:
         msg = check_case(
             rank, R, "cpu", coll, torch.float32, (8, 16, 24), seed + 200, expect="fallback"
@@ -81,6 +84,10 @@ def _cases_many(rank, R, seed):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["float32", "float16"])
 def test_two_ranks_all_collectives(dtype):
     spawn(_cases_2ranks, 2, random.randrange(1 << 30), dtype)
+
+
+def test_two_ranks_avg_contiguous_w_and_the_plain_path():
+    spawn(_cases_2ranks_more, 2, random.randrange(1 << 30))
 
 
 @pytest.mark.parametrize("world_size", [4, 8])
