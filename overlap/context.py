@@ -25,6 +25,7 @@ stream pools keep the caller streams few); more raise ``RuntimeError``.
 
 from __future__ import annotations
 
+import atexit
 from collections import OrderedDict
 
 import torch
@@ -35,7 +36,7 @@ from .comm import Transport, kept
 from .guard import watchdog
 from .plan import MAX_CHUNKS
 from .signal import current_raw_stream
-from .state import GroupState, drop, state, states
+from .state import ALL, GroupState, drop, state, states
 
 MAX_CONTEXTS = 256
 
@@ -175,6 +176,23 @@ def check_group(group) -> None:
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"group must be a torch.distributed.ProcessGroup or None, got "
                         f"{type(group).__name__}")  # fmt: skip
+
+
+@atexit.register
+def let_go() -> None:
+    """At the interpreter's exit (``atexit``: before it finalizes), every reference the
+    library holds to a process group dropped, nothing closed or synchronized: the group
+    states, the decided and recorded calls (their keys hold the group), the watchdog's
+    transports. A group that ``destroy_process_group`` let go of is then freed while Python
+    still runs; kept until the interpreter finalizes, gloo's could abort the ending process
+    (SIGABRT: its threads' work holds tensors; torch PR 179291)."""
+    forget()
+    for s in drop(ALL):
+        for ctx in s.contexts.values():
+            for t in ctx._transports.values():
+                watchdog.forget(t)
+        for t in s.shared.values():
+            watchdog.forget(t)
 
 
 def release(group: dist.ProcessGroup | None = None) -> None:

@@ -51,6 +51,7 @@ class GroupState:
 
 
 _states: dict[tuple, GroupState] = {}  # (group object, device) -> its state
+ALL = object()  # ``drop``'s every group
 
 
 def state(group: dist.ProcessGroup | None, device: torch.device | str) -> GroupState:
@@ -69,7 +70,9 @@ def states() -> list[GroupState]:
 
 
 def drop(group: dist.ProcessGroup | None) -> list[GroupState]:
-    """Take every state of ``group`` (None: the default group of the moment) out; the caller
-    closes what they hold."""
+    """Take every state of ``group`` (None: the default group of the moment; ``ALL``: every
+    group's) out; the caller closes what they hold."""
+    if group is ALL:
+        return [_states.pop(k) for k in list(_states)]
     group = default(group)
     return [_states.pop(k) for k in [k for k in _states if k[0] is group]]

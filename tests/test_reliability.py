@@ -177,3 +177,35 @@ def _release_and_bound(rank, R, seed):
 
 def test_release_and_the_bound_on_contexts():
     spawn(_release_and_bound, 2, random.randrange(1 << 30))
+
+
+def _exit_lets_go(rank, R, seed):
+    """The library holds the default group after calls (the group state, the memo's keys);
+    ``destroy_process_group`` and then the interpreter's exit handlers must leave nothing of it
+    (kept until the interpreter finalizes, gloo's group could abort the process)."""
+    import atexit
+    import gc
+    import weakref
+
+    import torch.distributed as dist
+
+    failures = []
+    for i, chunks in enumerate((2, None)):  # overlapped (a context), then the plain path's memo
+        msg = check_case(rank, R, "cpu", "all_reduce", torch.float32, (64, 32, 48), seed + i,
+                         chunks=chunks)  # fmt: skip
+        failures += [msg] if msg else []
+    group = weakref.ref(dist.group.WORLD)
+    dist.barrier()
+    dist.destroy_process_group()
+    gc.collect()
+    if group() is None:
+        return failures + ["the library kept nothing of the group: this test shows nothing"]
+    atexit._run_exitfuncs()  # (what the interpreter runs at its exit, before it finalizes)
+    gc.collect()
+    if group() is not None:
+        failures.append("after the exit handlers something still holds the destroyed group")
+    return failures
+
+
+def test_the_exit_lets_go_of_a_destroyed_group():
+    spawn(_exit_lets_go, 2, random.randrange(1 << 30))
