@@ -790,6 +790,9 @@ def _host_shot_one_gpu(rank, R, seed):
     one("avg", xs, w, op="avg")
     one("out=", xs, w, out=torch.full((2, 5, 4096), float("nan"), device=dev,
                                        dtype=torch.bfloat16))  # fmt: skip
+    odd = torch.full((2 * 5 * 4096 + 1,), float("nan"), device=dev, dtype=torch.bfloat16)
+    one("out= not 16-byte aligned", xs, w, out=odd[1:].view(2, 5, 4096))  # (its own kernel)
+    one("a bound launch after it", xs, w)
     # back to back, fresh data at every call: the host one-shot and gloo (too big for the
     # slots) alternating
     w = draw(60, (1024, 4096), torch.bfloat16)[0] / 32
@@ -820,6 +823,8 @@ def _host_shot_one_gpu(rank, R, seed):
 
     made = [t for s in states() for t in s.shared.values()
             if isinstance(t, HostShotTransport)]  # fmt: skip
+    if not any(site.k is not None for t in made for site in t.sites.values()):
+        failures.append("no call launched the host one-shot's bound kernel (HostShot)")
     overlap.release()
     if len(made) != 1 or any(t.mapping is not None or t.nbytes for t in made):
         failures.append(f"overlap.release kept the host one-shot's memory ({len(made)} made)")

@@ -118,6 +118,9 @@ class _Shot(Transport):
         self.buf: torch.Tensor | None = None  # (uint8, ``SHOT_BYTES`` or ``HOST_SHOT_BYTES``)
         self._views: dict[tuple, torch.Tensor] = {}
         self.callers: set = set()  # (``overlap.context.Context``s)
+        # the engine's bound launches of the host one-shot, by partial (``gemm.shot.HostShot``:
+        # made there, kept here so that they go with the buffers)
+        self.sites: dict[torch.Tensor, object] = {}
 
     def partial(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """This rank's buffer as a contiguous tensor of ``shape`` (at most the buffer's
@@ -127,6 +130,7 @@ class _Shot(Transport):
         if view is None:
             if len(self._views) >= 256:  # (one per call site's shape)
                 self._views.clear()
+                self.sites.clear()
             n = 1
             for d in shape:
                 n *= d
@@ -138,6 +142,7 @@ class _Shot(Transport):
         """Free the buffers (every rank of the group closes together)."""
         self.buf = None
         self._views.clear()
+        self.sites.clear()
 
     @property
     def nbytes(self) -> int:

@@ -82,12 +82,22 @@ class Launcher:
                 key.append(t)
         return (device, *key, *values[self.n_args :], num_warps, num_stages)
 
+    @staticmethod
+    def hooked() -> bool:
+        """Whether launch hooks (a profiler's) are set: launches then take Triton's JIT."""
+        return bool(knobs.runtime.launch_enter_hook.calls or knobs.runtime.launch_exit_hook.calls)
+
+    @staticmethod
+    def stream():
+        """Triton's driver's ``device index -> its current stream (a handle)``."""
+        return triton.runtime.driver.active.get_current_stream
+
     def __call__(self, grid: int, a: dict, num_warps: int, num_stages: int = 3) -> CompiledKernel:
-        """Launch on ``grid`` programs with the arguments ``a`` (every parameter by name)."""
+        """Launch on ``grid`` programs with the arguments ``a`` (every parameter by name);
+        returns the compiled kernel launched."""
         values = self.values(a)
-        hooks = knobs.runtime.launch_enter_hook.calls or knobs.runtime.launch_exit_hook.calls
         key, d, device = None, None, None
-        if not (knobs.runtime.interpret or hooks):  # (a kernel is loaded per device)
+        if not (knobs.runtime.interpret or self.hooked()):  # (a kernel is loaded per device)
             d = triton.runtime.driver.active
             device = d.get_current_device()
             key = self.key(device, values, num_warps, num_stages)

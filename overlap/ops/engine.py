@@ -528,9 +528,14 @@ def _shot(x, w, out, p: Plan, scale: float | None, ctx: Context, shape) -> torch
 
 def _reduce(t: Transport, kind: str, part: torch.Tensor, out: torch.Tensor) -> None:
     """``out`` = the sum over the ranks of their ``part`` through ``t``, the latency
-    all-reduce ``kind`` (contiguous tensors: the host one-shot reads them flat)."""
+    all-reduce ``kind`` (contiguous tensors: the host one-shot reads them flat; its launch
+    is bound once per partial buffer, ``gemm.shot.HostShot``, kept in ``t.sites``)."""
     if kind == "host one-shot":
-        _gemm().shot.host_shot_all_reduce(part, out, t.regions, t.state, t.slot_bytes, t.rank)
+        site = t.sites.get(part)  # (a tensor hashes by identity: the view ``partial`` keeps)
+        if site is None:
+            site = t.sites[part] = _gemm().shot.HostShot(part, t.regions, t.state,
+                                                          t.slot_bytes, t.rank)  # fmt: skip
+        site(out)
     else:
         t.reduce(part, out, kind == "two-shot")
 
