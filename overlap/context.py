@@ -26,6 +26,7 @@ stream pools keep the caller streams few); more raise ``RuntimeError``.
 from __future__ import annotations
 
 import atexit
+import gc
 from collections import OrderedDict
 
 import torch
@@ -185,9 +186,16 @@ def let_go() -> None:
     states, the decided and recorded calls (their keys hold the group), the watchdog's
     transports. A group that ``destroy_process_group`` let go of is then freed while Python
     still runs; kept until the interpreter finalizes, gloo's could abort the ending process
-    (SIGABRT: its threads' work holds tensors; torch PR 179291)."""
+    (SIGABRT: its threads' work holds tensors; torch PR 179291). A state and its contexts
+    refer to each other: collected here, not in the finalization."""
     forget()
-    for s in drop(ALL):
+    _unwatch(drop(ALL))
+    gc.collect()  # (after ``_unwatch`` returned: its frame held the last state)
+
+
+def _unwatch(mine: list[GroupState]) -> None:
+    """The watchdog stops watching the transports of the states ``mine``."""
+    for s in mine:
         for ctx in s.contexts.values():
             for t in ctx._transports.values():
                 watchdog.forget(t)

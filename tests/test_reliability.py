@@ -201,7 +201,6 @@ def _exit_lets_go(rank, R, seed):
     if group() is None:
         return failures + ["the library kept nothing of the group: this test shows nothing"]
     atexit._run_exitfuncs()  # (what the interpreter runs at its exit, before it finalizes)
-    gc.collect()
     if group() is not None:
         failures.append("after the exit handlers something still holds the destroyed group")
     return failures
