@@ -64,6 +64,7 @@ QUICK = (
     "tests/test_cache_keys.py::test_record_signature_has_every_field",
     "tests/test_cache_keys.py::test_record_signature_none_in_validation_mode",
     "tests/test_example.py::test_readme_example_runs",
+    "tests/test_docs.py",
 )
 
 
