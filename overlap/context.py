@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from . import comm
 from .comm import Transport, kept
-from .guard import watchdog
+from .guard import agreement, watchdog
 from .plan import MAX_CHUNKS
 from .signal import current_raw_stream
 from .state import ALL, GroupState, drop, state, states
@@ -184,23 +184,28 @@ def let_go() -> None:
     """At the interpreter's exit (``atexit``: before it finalizes), every reference the
     library holds to a process group dropped, nothing closed or synchronized: the group
     states, the decided and recorded calls (their keys hold the group), the watchdog's
-    transports. A group that ``destroy_process_group`` let go of is then freed while Python
-    still runs; kept until the interpreter finalizes, gloo's could abort the ending process
-    (SIGABRT: its threads' work holds tensors; torch PR 179291). A state and its contexts
-    refer to each other: collected here, not in the finalization."""
+    transports, validation mode's rendezvous (it holds the default group and store). A group
+    that ``destroy_process_group`` let go of is then freed while Python still runs; kept until
+    the interpreter finalizes, gloo's could abort the ending process (SIGABRT: its threads'
+    work holds tensors; torch PR 179291). A state and its contexts refer to each other:
+    collected here, not in the finalization. A call made after this (another exit handler's)
+    starts afresh."""
     forget()
-    _unwatch(drop(ALL))
-    gc.collect()  # (after ``_unwatch`` returned: its frame held the last state)
+    agreement.forget()
+    if _unwatch(drop(ALL)):
+        gc.collect()  # (after ``_unwatch`` returned: its frame held the last state)
 
 
-def _unwatch(mine: list[GroupState]) -> None:
-    """The watchdog stops watching the transports of the states ``mine``."""
+def _unwatch(mine: list[GroupState]) -> bool:
+    """The watchdog stops watching the transports of the states ``mine`` (copies of their
+    dicts: a daemon thread may still be calling); whether there were any."""
     for s in mine:
-        for ctx in s.contexts.values():
-            for t in ctx._transports.values():
+        for ctx in list(s.contexts.values()):
+            for t in list(ctx._transports.values()):
                 watchdog.forget(t)
-        for t in s.shared.values():
+        for t in list(s.shared.values()):
             watchdog.forget(t)
+    return bool(mine)
 
 
 def release(group: dist.ProcessGroup | None = None) -> None:

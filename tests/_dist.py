@@ -3,6 +3,7 @@ against a float64 reference built from every rank's inputs."""
 
 from __future__ import annotations
 
+import faulthandler
 import math
 import os
 import sys
@@ -22,6 +23,9 @@ TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 
 
 def _entry(rank, world_size, init_file, backend, fn, args, errors_dir):
+    after = os.environ.get("OVERLAP_TEST_TRACEBACKS_AFTER")  # (docs/design.md, "Hangs")
+    if after:
+        faulthandler.dump_traceback_later(float(after))
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)

@@ -180,9 +180,10 @@ def test_release_and_the_bound_on_contexts():
 
 
 def _exit_lets_go(rank, R, seed):
-    """The library holds the default group after calls (the group state, the memo's keys);
-    ``destroy_process_group`` and then the interpreter's exit handlers must leave nothing of it
-    (kept until the interpreter finalizes, gloo's group could abort the process)."""
+    """The library holds the default group after calls (the group state, the memo's keys,
+    validation's rendezvous); ``destroy_process_group`` and then the interpreter's exit
+    handlers must leave nothing of it (kept until the interpreter finalizes, gloo's group
+    could abort the process)."""
     import atexit
     import gc
     import weakref
@@ -194,6 +195,13 @@ def _exit_lets_go(rank, R, seed):
         msg = check_case(rank, R, "cpu", "all_reduce", torch.float32, (64, 32, 48), seed + i,
                          chunks=chunks)  # fmt: skip
         failures += [msg] if msg else []
+    overlap.configure(validate=True)  # (validation's rendezvous holds the default group too)
+    try:
+        msg = check_case(rank, R, "cpu", "all_reduce", torch.float32, (64, 32, 48), seed + 2,
+                         chunks=2)  # fmt: skip
+        failures += [msg] if msg else []
+    finally:
+        overlap.configure(validate=False)
     group = weakref.ref(dist.group.WORLD)
     dist.barrier()
     dist.destroy_process_group()

@@ -141,6 +141,12 @@ def _parse_splits(value: str) -> tuple[list[int], list[int]]:
 _rendezvous: dict[str, Rendezvous] = {}  # group name -> its rendezvous (a few ints each)
 
 
+def forget() -> None:
+    """Drop every rendezvous (the process ends: ``overlap.context.let_go``; each holds the
+    default group and store it was made under)."""
+    _rendezvous.clear()
+
+
 def agree(group: dist.ProcessGroup | None, fingerprint: str, what: str, splits=None) -> None:
     """``Rendezvous.agree`` on ``group``'s rendezvous (made on first use, and again under a
     new default group: after ``destroy_process_group`` torch numbers the groups from "0"
