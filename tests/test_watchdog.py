@@ -208,12 +208,13 @@ def test_two_threads_issuing_a_transports_first_calls_are_both_watched(monkeypat
     assert len(started) == 1, f"{len(started)} watchdog threads"
 
 
-def test_the_timeout_is_the_process_groups_unless_configured():
+def test_the_timeout_is_the_process_groups_unless_configured(monkeypatch):
     """Unset, a call may take its process group's own timeout (as torch's watchdog gives its
     collectives); ``configure(timeout=)`` replaces it."""
     import os
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29400 + os.getpid() % 500))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # (set for this test only: later tests'
+    monkeypatch.setenv("MASTER_PORT", str(29400 + os.getpid() % 500))  # ranks fork, _dist.py)
     keep = guard.settings._settings["timeout"]
     dist.init_process_group("gloo", rank=0, world_size=1, timeout=timedelta(seconds=42))
     try:
