@@ -61,9 +61,10 @@ DTYPES = (torch.bfloat16, torch.float32)  # (torch 2.11's kernels refuse float16
 # all-reduce: 15.0 / 16.6 at 8 KB, 15.6 / 15.2 at 32 KB, 20.2 / 25.2 at 128 KB, 26.4 / 40.1 at
 # 256 KB, 37.3 / 48.3 at 512 KB, 55.9 / 64.2 at 1 MB, 96.8 / 98.5 at 2 MB; with the matmul, in
 # tools/decode_bench.py's sweep: 0.86-0.97x NCCL's time at 8-32 KB, 1.01-1.03x at 64 KB,
-# 1.10-1.39x at 128-512 KB). Eagerly its call costs ~8 us more host time than matmul +
-# dist.all_reduce (tools/host_profile.py --latency; ~20 when the floor was set): below 64 KB,
-# where the GPU time saved is smaller, NCCL keeps the call.
+# 1.10-1.39x at 128-512 KB). Eagerly its call took ~20 us more host time than matmul +
+# dist.all_reduce when the floor was set (0.92-1.00x of it since its launch is bound,
+# tools/host_profile.py --latency, one H200; not rerun on 2 GPUs): below 64 KB, where the GPU
+# time saved is smaller, NCCL keeps the call.
 HOST_SHOT_MIN_BYTES = 64 << 10
 HOST_SHOT_BYTES = 1 << 20
 HOST_SHOT_RANKS = 4  # (measured at 2 and 4 ranks; each rank reads R - 1 partials over PCIe)
